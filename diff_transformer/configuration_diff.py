@@ -1,0 +1,152 @@
+"""Configuration of the Differential Transformer (Ye et al., "Differential Transformer", arXiv 2410.05258)."""
+
+import math
+
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+ATTENTION_TYPES = ("differential", "standard")
+
+
+class DiffConfig(PreTrainedConfig):
+    r"""
+    Configuration of a Llama-style decoder with differential attention (DESIGN.md §1).
+
+    Differential fields (the rest follow `LlamaConfig`):
+        num_attention_heads (`int`): differential heads h. Each has two q/k sub-heads of dim `head_dim`.
+        num_key_value_heads (`int`, *optional*): kv heads h_kv (GQA); must divide h. Defaults to h.
+        head_dim (`int`, *optional*): q/k sub-head dim d. Paper default `hidden_size // (2 h)`.
+        value_head_dim (`int`, *optional*): value/output width of a differential head. Defaults to 2d (paper);
+            converted pretrained models use d.
+        lambda_init (`float`, *optional*): constant lambda_init; `None` uses the paper schedule
+            `0.8 - 0.6 exp(-0.3 layer_idx)`.
+        lambda_std_dev (`float`): std of the N(0, sigma) init of the lambda vectors.
+        use_subln (`bool`): apply the per-head RMSNorm (SubLN) and the `(1 - lambda_init)` scale.
+        diff_version (`int`): 1 (paper) or 2 (DIFF V2: one attention call, per-token sigmoid lambda, no SubLN).
+        attention_types (`list[str]`, *optional*): per layer `"differential"` or `"standard"` (hybrid stacks).
+            A standard layer is Llama attention with `h * value_head_dim / head_dim` heads of dim d, which has the
+            same projection shapes as a differential layer when `value_head_dim == 2 * head_dim`.
+        attention_bias (`bool`): bias on q/k/v projections. attention_out_bias (`bool`): bias on o_proj.
+
+    Invalid combinations raise `ValueError` at construction, naming the field and the fix.
+    """
+
+    model_type = "diff_transformer"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    value_head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    lambda_init: float | None = None
+    lambda_std_dev: float = 0.1
+    use_subln: bool = True
+    diff_version: int = 1
+    attention_types: list[str] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self._check(
+                self.hidden_size % (2 * self.num_attention_heads) == 0,
+                f"hidden_size ({self.hidden_size}) must be divisible by 2 * num_attention_heads "
+                f"({2 * self.num_attention_heads}) for the paper default head_dim; set head_dim explicitly",
+            )
+            self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
+        if self.value_head_dim is None:
+            self.value_head_dim = 2 * self.head_dim
+        if self.attention_types is None:
+            self.attention_types = ["differential"] * self.num_hidden_layers
+        self.validate_diff()
+        super().__post_init__(**kwargs)
+
+    @staticmethod
+    def _check(condition: bool, message: str) -> None:
+        if not condition:
+            raise ValueError(f"DiffConfig: {message}.")
+
+    def validate_diff(self) -> None:
+        """Raise `ValueError` for field combinations the model cannot build."""
+        check = self._check
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            check(getattr(self, name) > 0, f"{name} must be a positive integer")
+        check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+            f"({self.num_attention_heads}); pick a divisor such as {self.num_attention_heads}",
+        )
+        check(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        check(self.diff_version in (1, 2), f"diff_version must be 1 or 2, got {self.diff_version}")
+        check(not self.attention_dropout, "attention_dropout is not defined by the paper; set it to 0.0")
+        check(
+            self.lambda_init is None or 0.0 <= self.lambda_init < 1.0,
+            f"lambda_init must be in [0, 1) or None for the paper schedule, got {self.lambda_init}",
+        )
+        check(
+            len(self.attention_types) == self.num_hidden_layers,
+            f"attention_types has {len(self.attention_types)} entries; give one per layer "
+            f"(num_hidden_layers={self.num_hidden_layers})",
+        )
+        check(
+            set(self.attention_types) <= set(ATTENTION_TYPES),
+            f"attention_types entries must be one of {ATTENTION_TYPES}, got {sorted(set(self.attention_types))}",
+        )
+        if self.diff_version == 2:
+            check(
+                "standard" not in self.attention_types,
+                "hybrid stacks (attention_types with 'standard') need diff_version=1",
+            )
+            check(
+                self.value_head_dim == 2 * self.head_dim,
+                "value_head_dim does not apply to diff_version=2 (its heads are head_dim wide); leave it unset",
+            )
+        elif "standard" in self.attention_types:
+            check(
+                self.value_head_dim % self.head_dim == 0,
+                f"standard layers need value_head_dim ({self.value_head_dim}) to be a multiple of head_dim "
+                f"({self.head_dim})",
+            )
+
+    def layer_lambda_init(self, layer_idx: int) -> float:
+        """lambda_init of a layer: the constant override, else `0.8 - 0.6 exp(-0.3 layer_idx)` (0-based)."""
+        if self.lambda_init is not None:
+            return self.lambda_init
+        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+__all__ = ["DiffConfig"]

@@ -1,0 +1,77 @@
+"""Training data that needs no download: a synthetic key/value retrieval task, and plain text files."""
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from .tokenization_diff import build_word_tokenizer
+
+
+@dataclass
+class KeyValueTask:
+    """Sequences `k12 v3 k40 v7 ... ? k40 v7`: a list of key/value pairs, then a query key whose value must be
+    retrieved from context — the in-context retrieval the DIFF paper evaluates (§3.4), in miniature."""
+
+    num_keys: int = 64
+    num_values: int = 64
+    num_pairs: int = 8
+
+    def vocabulary(self) -> list[str]:
+        return [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)] + ["?"]
+
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        return build_word_tokenizer(self.vocabulary())
+
+    def example(self, rng: random.Random) -> tuple[str, str]:
+        """Return (prompt ending in the query key, answer value)."""
+        keys = rng.sample(range(self.num_keys), self.num_pairs)
+        values = [rng.randrange(self.num_values) for _ in keys]
+        query = rng.randrange(self.num_pairs)
+        context = " ".join(f"k{k} v{v}" for k, v in zip(keys, values))
+        return f"{context} ? k{keys[query]}", f"v{values[query]}"
+
+    def texts(self, count: int, seed: int = 0) -> list[str]:
+        rng = random.Random(seed)
+        return [" ".join(self.example(rng)) for _ in range(count)]
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Fixed-length causal-LM blocks (input_ids = labels) for `Trainer`."""
+
+    def __init__(self, token_ids: list[list[int]]):
+        self.blocks = token_ids
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(self.blocks[index])
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def task_dataset(task: KeyValueTask, tokenizer: PreTrainedTokenizerFast, count: int, seed: int) -> TokenBlocks:
+    bos = [tokenizer.bos_token_id]
+    return TokenBlocks([bos + tokenizer(text)["input_ids"] for text in task.texts(count, seed)])
+
+
+def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:
+    """Tokenize a whole text file and cut it into `block_size` blocks (the tail is dropped)."""
+    text = Path(path).read_text(encoding="utf-8")
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < block_size + 1:
+        raise ValueError(f"{path} has {len(ids)} tokens, fewer than one block of {block_size}; use --block-size")
+    return TokenBlocks([ids[i : i + block_size] for i in range(0, len(ids) - block_size + 1, block_size)])
+
+
+def retrieval_accuracy(model, tokenizer, task: KeyValueTask, count: int = 200, seed: int = 12345) -> float:
+    """Share of held-out prompts whose greedy next token is the right value."""
+    rng = random.Random(seed)
+    examples = [task.example(rng) for _ in range(count)]
+    prompts = [[tokenizer.bos_token_id] + tokenizer(p)["input_ids"] for p, _ in examples]
+    answers = torch.tensor([tokenizer.convert_tokens_to_ids(a) for _, a in examples])
+    with torch.no_grad():
+        logits = model(torch.tensor(prompts, device=model.device)).logits[:, -1]
+    return (logits.argmax(-1).cpu() == answers).float().mean().item()

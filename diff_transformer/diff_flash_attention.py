@@ -1,0 +1,452 @@
+"""Fused one-pass differential FlashAttention in Triton (forward and backward).
+
+Differential attention (DIFF Transformer, Ye et al., arXiv 2410.05258, ICLR 2025) computes, per head,
+
+    out = softmax(scaling * q1 k1^T + mask) v  -  lam * softmax(scaling * q2 k2^T + mask) v
+
+The forward kernel streams every K/V tile once per query tile and keeps two online softmaxes side by side
+(FlashAttention-2, arXiv 2307.08691): the V tile is loaded once for both branches and the lambda subtraction
+is fused into the epilogue. The backward kernels recompute both probability tiles from the saved log-sum-exps.
+Softmaxes and accumulators are fp32; matmul inputs keep the input dtype.
+
+Tensor layout (B batch, h query heads, h_kv key/value heads, T queries, S keys, d q/k head dim, dv value dim):
+
+    q1, q2    [B, h, T, d]       branch-1 / branch-2 query sub-heads
+    k1, k2    [B, h_kv, S, d]    branch-1 / branch-2 key sub-heads
+    v         [B, h_kv, S, dv]   dv = 2d in the paper; dv = d works too
+    lam       []                 float32 scalar, may require grad
+    mask      bool, broadcastable to [B, h, T, S], True = may attend; replaces the causal rule when given
+    output    [B, h, T, dv]      in the input dtype
+
+Strides: the kernels take the strides of every input, so views are read in place without copies, e.g.
+k1 = k[..., :d] and k2 = k[..., d:] of a [B, h_kv, S, 2d] key cache, head slices of a [B, 2h, T, d] query
+tensor, a transposed output gradient or an expanded mask. The two tensors of a branch pair (q1/q2, k1/k2)
+share one set of strides in the kernel; a pair whose strides differ is made contiguous first.
+
+GQA: query head j reads kv head j // (h // h_kv) in both branches.
+causal=True is bottom-right aligned: query i may attend key j iff j <= i + S - T.
+A fully masked query row gives output 0 and zero gradients.
+
+Set TRITON_INTERPRET=1 before importing this module (and triton) to run the kernels on CPU: slow, for tests.
+"""
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    triton = None
+    _TRITON_IMPORT_ERROR = str(error)
+else:
+    _TRITON_IMPORT_ERROR = ""
+
+# Triton decides at decoration time whether @triton.jit functions are interpreted, so read the flag once here.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HEAD_DIMS = (16, 32, 64, 128)
+_VALUE_DIMS = (16, 32, 64, 128, 256)
+
+
+def triton_available() -> tuple[bool, str]:
+    """(ok, reason): whether `diff_flash_attention` can run here, and on what or why not."""
+    if triton is None:
+        return False, (f"triton is not installed ({_TRITON_IMPORT_ERROR}); pip install 'diff-transformer[triton]' "
+                       "or use attn_implementation='sdpa'")
+    if _INTERPRET:
+        return True, "Triton interpreter (TRITON_INTERPRET=1): runs on CPU, slow, for testing"
+    if torch.cuda.is_available():
+        return True, f"Triton on {torch.cuda.get_device_name()}"
+    return False, ("no CUDA GPU; set TRITON_INTERPRET=1 before importing triton to run on CPU (slow, for testing) "
+                   "or use attn_implementation='sdpa'")
+
+
+def naive_diff_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,
+                         scaling: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
+    """Reference in plain torch: materialises both softmaxes (in at least fp32), same semantics as the kernel."""
+    out_dtype = q1.dtype
+    compute_dtype = torch.promote_types(out_dtype, torch.float32)
+    n_rep = q1.shape[1] // k1.shape[1]
+    q1, q2, k1, k2, v = (t.to(compute_dtype) for t in (q1, q2, k1, k2, v))
+    k1, k2, v = (t.repeat_interleave(n_rep, dim=1) for t in (k1, k2, v))
+    T, S = q1.shape[-2], k1.shape[-2]
+    if mask is not None:
+        allowed = mask.bool()
+    elif causal:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device).tril(S - T)
+    else:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device)
+    any_allowed = allowed.any(dim=-1, keepdim=True)
+
+    def probs(q: Tensor, k: Tensor) -> Tensor:
+        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+        # Fully masked rows: softmax over zeros, then zeroed, so neither the output nor the grads are NaN.
+        scores = torch.where(any_allowed, scores, torch.zeros_like(scores))
+        return torch.softmax(scores, dim=-1) * any_allowed
+
+    out = probs(q1, k1) @ v - lam.to(compute_dtype) * (probs(q2, k2) @ v)
+    return out.to(out_dtype)
+
+
+if triton is not None:
+    # The interpreter multiplies bf16 tiles as their raw uint16 bits (numpy has no bf16), so under it the dot
+    # operands are widened to fp32 first; products of bf16 values are exact in fp32, so results match the GPU's.
+    _DOT_IN_FP32 = tl.constexpr(_INTERPRET)
+
+    @triton.jit
+    def _dot(a, b):
+        if _DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _load_rows(ptr, offs_rows, offs_cols, n_rows, stride_row, stride_col):
+        """[rows, cols] tile, rows >= n_rows read as 0."""
+        ptrs = ptr + offs_rows[:, None] * stride_row + offs_cols[None, :] * stride_col
+        return tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
+
+    @triton.jit
+    def _store_rows(ptr, value, offs_rows, offs_cols, n_rows, stride_row):
+        """Store a [rows, cols] tile to a row-major buffer, casting to its dtype."""
+        ptrs = ptr + offs_rows[:, None] * stride_row + offs_cols[None, :]
+        tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=offs_rows[:, None] < n_rows)
+
+    @triton.jit
+    def _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms,
+                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+        """[BLOCK_M, BLOCK_N] bool: query offs_m may attend key offs_n."""
+        allowed = (offs_m[:, None] < T) & (offs_n[None, :] < S)
+        if HAS_MASK:
+            ptrs = mask_ptr + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms
+            allowed = allowed & (tl.load(ptrs, mask=allowed, other=0) != 0)
+        elif CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+        return allowed
+
+    @triton.jit
+    def _online_softmax_step(q, k, v, allowed, m, l, acc, qk_scale):
+        """Fold one key tile into a running (max m, sum l, accumulator acc) in the log2 domain."""
+        s = tl.where(allowed, _dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys masked so far: keep exp2 away from NaN
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
+    def _normalize(m, l, acc):
+        """Normalised branch output and its log2-sum-exp; +inf for empty rows so backward's probabilities are 0."""
+        empty = l == 0.0
+        l_safe = tl.where(empty, 1.0, l)
+        return acc / l_safe[:, None], tl.where(empty, float("inf"), m + tl.log2(l_safe))
+
+    @triton.jit
+    def _probs_and_score_grads(q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale):
+        """Both probability tiles and the gradients of the (unscaled-by-log2e) scores, FlashAttention-2 style.
+
+        Branch 1 sees dO, branch 2 sees -lam * dO, so both share dP = dO V^T:
+        dS1 = P1 * (dP - D1) and dS2 = -lam * P2 * (dP - D2), with D_b = rowsum(dO * O_b).
+        """
+        p1 = tl.where(allowed, tl.exp2(_dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None]), 0.0)
+        p2 = tl.where(allowed, tl.exp2(_dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v))
+        ds1 = p1 * (dp - delta1[:, None])
+        ds2 = -lam * p2 * (dp - delta2[:, None])
+        return p1, p2, ds1, ds2
+
+    @triton.jit
+    def _causal_key_end(start_m, T, S, BLOCK_M: tl.constexpr):
+        """One past the last key that query rows [start_m, start_m + BLOCK_M) may attend (bottom-right causal)."""
+        return tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+
+    @triton.jit
+    def _diff_attn_fwd(
+        Q1, Q2, K1, K2, V, Lam, Mask, Out, O2, Lse1, Lse2,
+        stride_qb, stride_qh, stride_qt, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_mb, stride_mh, stride_mt, stride_ms,
+        H, T, S, N_REP, qk_scale,
+        HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b, head = bh // H, bh % H
+        kv_head = head // N_REP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_v = tl.arange(0, V_DIM)
+
+        q_off = b * stride_qb + head * stride_qh
+        q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+        q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+        k_off = b * stride_kb + kv_head * stride_kh
+        v_ptr = V + b * stride_vb + kv_head * stride_vh
+        mask_ptr = Mask + b * stride_mb + head * stride_mh
+        lam = tl.load(Lam)
+
+        m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
+
+        key_end = S
+        if CAUSAL and not HAS_MASK:
+            key_end = _causal_key_end(start_m, T, S, BLOCK_M)
+        for start_n in range(0, key_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+            k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+            v = _load_rows(v_ptr, offs_n, offs_v, S, stride_vs, stride_vd)
+            allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
+            m1, l1, acc1 = _online_softmax_step(q1, k1, v, allowed, m1, l1, acc1, qk_scale)
+            m2, l2, acc2 = _online_softmax_step(q2, k2, v, allowed, m2, l2, acc2, qk_scale)
+
+        o1, lse1 = _normalize(m1, l1, acc1)
+        o2, lse2 = _normalize(m2, l2, acc2)
+        row = bh * T  # Out, O2, Lse1, Lse2 are contiguous [B, H, T(, V_DIM)]
+        _store_rows(Out + row * V_DIM, o1 - lam * o2, offs_m, offs_v, T, V_DIM)
+        _store_rows(O2 + row * V_DIM, o2, offs_m, offs_v, T, V_DIM)
+        tl.store(Lse1 + row + offs_m, lse1, mask=offs_m < T)
+        tl.store(Lse2 + row + offs_m, lse2, mask=offs_m < T)
+
+    @triton.jit
+    def _diff_attn_bwd_dq(
+        Q1, Q2, K1, K2, V, DO, Lam, Mask, Lse1, Lse2, Delta1, Delta2, DQ1, DQ2,
+        stride_qb, stride_qh, stride_qt, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dot, stride_dod,
+        stride_mb, stride_mh, stride_mt, stride_ms,
+        H, T, S, N_REP, qk_scale, scaling,
+        HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):
+        """dq1, dq2 for one query tile: stream the key tiles exactly as the forward does."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b, head = bh // H, bh % H
+        kv_head = head // N_REP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_v = tl.arange(0, V_DIM)
+
+        q_off = b * stride_qb + head * stride_qh
+        q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+        q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+        do = _load_rows(DO + b * stride_dob + head * stride_doh, offs_m, offs_v, T, stride_dot, stride_dod)
+        row = bh * T
+        lse1 = tl.load(Lse1 + row + offs_m, mask=offs_m < T, other=float("inf"))
+        lse2 = tl.load(Lse2 + row + offs_m, mask=offs_m < T, other=float("inf"))
+        delta1 = tl.load(Delta1 + row + offs_m, mask=offs_m < T, other=0.0)
+        delta2 = tl.load(Delta2 + row + offs_m, mask=offs_m < T, other=0.0)
+        k_off = b * stride_kb + kv_head * stride_kh
+        v_ptr = V + b * stride_vb + kv_head * stride_vh
+        mask_ptr = Mask + b * stride_mb + head * stride_mh
+        lam = tl.load(Lam)
+
+        dq1 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        key_end = S
+        if CAUSAL and not HAS_MASK:
+            key_end = _causal_key_end(start_m, T, S, BLOCK_M)
+        for start_n in range(0, key_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+            k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+            v = _load_rows(v_ptr, offs_n, offs_v, S, stride_vs, stride_vd)
+            allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
+            _, _, ds1, ds2 = _probs_and_score_grads(
+                q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)
+            dq1 += _dot(ds1.to(k1.dtype), k1)
+            dq2 += _dot(ds2.to(k2.dtype), k2)
+
+        _store_rows(DQ1 + row * HEAD_DIM, dq1 * scaling, offs_m, offs_d, T, HEAD_DIM)
+        _store_rows(DQ2 + row * HEAD_DIM, dq2 * scaling, offs_m, offs_d, T, HEAD_DIM)
+
+    @triton.jit
+    def _diff_attn_bwd_dkdv(
+        Q1, Q2, K1, K2, V, DO, Lam, Mask, Lse1, Lse2, Delta1, Delta2, DK1, DK2, DV,
+        stride_qb, stride_qh, stride_qt, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dot, stride_dod,
+        stride_mb, stride_mh, stride_mt, stride_ms,
+        H, H_KV, T, S, N_REP, qk_scale, scaling,
+        HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    ):
+        """dk1, dk2, dv for one key tile of one kv head: loop over the GQA group's query heads and query tiles."""
+        start_n = tl.program_id(0) * BLOCK_N
+        bh_kv = tl.program_id(1)
+        b, kv_head = bh_kv // H_KV, bh_kv % H_KV
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_v = tl.arange(0, V_DIM)
+
+        k_off = b * stride_kb + kv_head * stride_kh
+        k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+        k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
+        v = _load_rows(V + b * stride_vb + kv_head * stride_vh, offs_n, offs_v, S, stride_vs, stride_vd)
+        lam = tl.load(Lam)
+
+        dk1 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dk2 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
+        query_start = 0
+        if CAUSAL and not HAS_MASK:  # first query tile holding a row i with i + S - T >= start_n
+            query_start = tl.maximum(start_n - (S - T), 0) // BLOCK_M * BLOCK_M
+        for rep in range(N_REP):
+            head = kv_head * N_REP + rep
+            q_off = b * stride_qb + head * stride_qh
+            do_ptr = DO + b * stride_dob + head * stride_doh
+            mask_ptr = Mask + b * stride_mb + head * stride_mh
+            row = (b * H + head) * T
+            for start_m in range(query_start, T, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+                q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+                do = _load_rows(do_ptr, offs_m, offs_v, T, stride_dot, stride_dod)
+                lse1 = tl.load(Lse1 + row + offs_m, mask=offs_m < T, other=float("inf"))
+                lse2 = tl.load(Lse2 + row + offs_m, mask=offs_m < T, other=float("inf"))
+                delta1 = tl.load(Delta1 + row + offs_m, mask=offs_m < T, other=0.0)
+                delta2 = tl.load(Delta2 + row + offs_m, mask=offs_m < T, other=0.0)
+                allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
+                p1, p2, ds1, ds2 = _probs_and_score_grads(
+                    q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)
+                dv += _dot(tl.trans(p1 - lam * p2).to(do.dtype), do)  # (P1 - lam P2)^T dO
+                dk1 += _dot(tl.trans(ds1).to(q1.dtype), q1)
+                dk2 += _dot(tl.trans(ds2).to(q2.dtype), q2)
+
+        row_kv = bh_kv * S  # DK1, DK2, DV are contiguous [B, H_KV, S, *]
+        _store_rows(DK1 + row_kv * HEAD_DIM, dk1 * scaling, offs_n, offs_d, S, HEAD_DIM)
+        _store_rows(DK2 + row_kv * HEAD_DIM, dk2 * scaling, offs_n, offs_d, S, HEAD_DIM)
+        _store_rows(DV + row_kv * V_DIM, dv, offs_n, offs_v, S, V_DIM)
+
+
+def _tile_config(v_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): tiny tiles under the interpreter; on GPU the two fp32 accumulators of
+    width dv per query row bound the tile size."""
+    if _INTERPRET:
+        return 16, 16, 1
+    if v_dim <= 128:
+        return 64, 64, 4
+    return 64, 32, 8
+
+
+def _paired(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels read both tensors of a branch pair with one set of strides."""
+    if a.stride() == b.stride():
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
+def _check_inputs(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor) -> None:
+    ok, reason = triton_available()
+    if not ok:
+        raise RuntimeError(f"diff_flash_attention is unavailable: {reason}")
+    if not _INTERPRET and q1.device.type != "cuda":
+        raise RuntimeError(f"diff_flash_attention needs CUDA tensors (got {q1.device}) or TRITON_INTERPRET=1")
+    if not all(t.dim() == 4 for t in (q1, q2, k1, k2, v)):
+        raise ValueError("q1, q2 [B, h, T, d], k1, k2 [B, h_kv, S, d] and v [B, h_kv, S, dv] must be 4-D")
+    if not all(t.dtype == q1.dtype for t in (q2, k1, k2, v)) or q1.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q/k/v must share one dtype among fp16, bf16, fp32; got "
+                         f"{[t.dtype for t in (q1, q2, k1, k2, v)]}")
+    B, h, T, d = q1.shape
+    _, h_kv, S, dv = v.shape
+    if q2.shape != q1.shape or k1.shape != (B, h_kv, S, d) or k2.shape != k1.shape or v.shape[0] != B:
+        raise ValueError(f"shape mismatch: q1 {tuple(q1.shape)}, q2 {tuple(q2.shape)}, k1 {tuple(k1.shape)}, "
+                         f"k2 {tuple(k2.shape)}, v {tuple(v.shape)}")
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    if d not in _HEAD_DIMS or dv not in _VALUE_DIMS:
+        raise ValueError(f"head dim d must be one of {_HEAD_DIMS} and dv one of {_VALUE_DIMS}; got d={d}, dv={dv}")
+
+
+def _mask_args(mask: Tensor | None, shape: tuple[int, int, int, int], like: Tensor) -> tuple[Tensor, tuple, bool]:
+    """Kernel pointer, strides (0 along broadcast dims) and HAS_MASK; a dummy pointer when there is no mask."""
+    if mask is None:
+        return like, (0, 0, 0, 0), False
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool (True = may attend), got {mask.dtype}")
+    mask = mask.expand(shape)
+    return mask, mask.stride(), True
+
+
+class _DiffFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, q2, k1, k2, v, lam, scaling, causal, mask):
+        q1, q2 = _paired(q1, q2)
+        k1, k2 = _paired(k1, k2)
+        B, h, T, d = q1.shape
+        _, h_kv, S, dv = v.shape
+        lam32 = lam.detach().to(device=q1.device, dtype=torch.float32).reshape(())
+        mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
+        block_m, block_n, num_warps = _tile_config(dv)
+
+        out = torch.empty(B, h, T, dv, dtype=q1.dtype, device=q1.device)
+        o2 = torch.empty_like(out)
+        lse1 = torch.empty(B, h, T, dtype=torch.float32, device=q1.device)
+        lse2 = torch.empty_like(lse1)
+        _diff_attn_fwd[(triton.cdiv(T, block_m), B * h)](
+            q1, q2, k1, k2, v, lam32, mask_t, out, o2, lse1, lse2,
+            *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
+            h, T, S, h // h_kv, scaling * math.log2(math.e),
+            HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=causal, HAS_MASK=has_mask, num_warps=num_warps,
+        )
+        ctx.save_for_backward(q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2)
+        ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
+        B, h, T, d = q1.shape
+        _, h_kv, S, dv = v.shape
+        do = grad_out.to(q1.dtype)
+        # D_b = rowsum(dO * O_b) with O1 = out + lam * O2 (only out and O2 are kept from the forward).
+        delta2 = (do.float() * o2.float()).sum(-1)
+        delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
+        grad_lam = -delta2.sum()
+        mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
+        block_m, block_n, num_warps = _tile_config(dv)
+        common = dict(HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+                      CAUSAL=ctx.causal, HAS_MASK=has_mask, num_warps=num_warps)
+        strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
+        qk_scale = ctx.scaling * math.log2(math.e)
+
+        dq1 = torch.empty(B, h, T, d, dtype=q1.dtype, device=q1.device)
+        dq2 = torch.empty_like(dq1)
+        _diff_attn_bwd_dq[(triton.cdiv(T, block_m), B * h)](
+            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dq1, dq2,
+            *strides, h, T, S, h // h_kv, qk_scale, ctx.scaling, **common,
+        )
+        dk1 = torch.empty(B, h_kv, S, d, dtype=k1.dtype, device=k1.device)
+        dk2 = torch.empty_like(dk1)
+        dv_ = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
+        _diff_attn_bwd_dkdv[(triton.cdiv(S, block_n), B * h_kv)](
+            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, dv_,
+            *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling, **common,
+        )
+        return dq1, dq2, dk1, dk2, dv_, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
+
+
+def diff_flash_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,
+                         scaling: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
+    """softmax(scaling q1 k1^T + mask) v - lam softmax(scaling q2 k2^T + mask) v in one pass; see the module docstring.
+
+    Returns [B, h, T, dv] in the input dtype. Differentiable in q1, q2, k1, k2, v and lam.
+    """
+    _check_inputs(q1, q2, k1, k2, v)
+    return _DiffFlashAttention.apply(q1, q2, k1, k2, v, lam, float(scaling), bool(causal), mask)

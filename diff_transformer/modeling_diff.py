@@ -1,0 +1,475 @@
+"""Differential Transformer (Ye et al., "Differential Transformer", ICLR 2025, arXiv 2410.05258).
+
+A Llama-style decoder whose softmax attention is replaced by differential attention:
+
+    A_b    = softmax(Q_b K_b^T / sqrt(d) + mask)                       b = 1, 2
+    head_j = (A_1 - lambda A_2) V_j                                    V_j is `value_head_dim` (2d) wide
+    out_j  = (1 - lambda_init) SubLN(head_j)
+    lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init
+
+Tensor layout of the attention kernels (every backend in `DIFF_ATTENTION_FUNCTIONS` takes the same):
+
+    q1, q2 : [B, h, T, d]        views of the projected queries [B, 2h, T, d] ("halves" order, DESIGN.md §2)
+    k1, k2 : [B, h_kv, S, d]     views of the cached keys [B, h_kv, S, 2d] = (k1 | k2) per kv head
+    v      : [B, h_kv, S, dv]
+    lam    : 0-dim fp32 tensor
+    return : ([B, T, h, dv] fp32 difference, attention map or None)
+
+Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share the head count that transformers'
+static cache allocates for both, and both branches read their keys as zero-copy views.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+    repeat_kv,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.utils import can_return_tuple, is_torchdynamo_compiling
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_diff import DiffConfig
+
+try:
+    from .diff_flash_attention import diff_flash_attention, triton_available
+except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
+    diff_flash_attention = None
+
+    def triton_available() -> tuple[bool, str]:
+        return False, "the diff_flash kernel module could not be imported; use attn_implementation='sdpa'"
+
+
+FUSED_IMPLEMENTATION = "diff_flash"
+
+
+def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
+    """Paper eq. (1): lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32."""
+    q1, k1, q2, k2 = (p.float() for p in (q1, k1, q2, k2))
+    return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + lambda_init
+
+
+class DiffLambda(nn.Module):
+    """The re-parameterised lambda of one layer: four d-sized vectors shared by all heads."""
+
+    def __init__(self, head_dim: int, lambda_init: float, std: float):
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.std = std
+        self.q1 = nn.Parameter(torch.zeros(head_dim))
+        self.k1 = nn.Parameter(torch.zeros(head_dim))
+        self.q2 = nn.Parameter(torch.zeros(head_dim))
+        self.k2 = nn.Parameter(torch.zeros(head_dim))
+
+    def forward(self) -> torch.Tensor:
+        return compute_lambda(self.q1, self.k1, self.q2, self.k2, self.lambda_init)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
+
+
+def masked_softmax(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float):
+    """fp32 softmax(q k^T * scaling + mask); `mask` is transformers' additive eager mask."""
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # [B, h, T, S]
+    if mask is not None:
+        scores = scores + mask.float()
+    return torch.softmax(scores, dim=-1)
+
+
+def eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+    """Materialises A1 and A2; the only backend that returns the differential map A1 - lambda A2."""
+    n_rep = module.num_key_value_groups
+    a1 = masked_softmax(q1, repeat_kv(k1, n_rep), attention_mask, scaling)
+    a2 = masked_softmax(q2, repeat_kv(k2, n_rep), attention_mask, scaling)
+    diff_map = a1 - lam * a2  # [B, h, T, S] fp32
+    if module.branch_maps is not None:
+        module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
+    out = torch.matmul(diff_map, repeat_kv(v, n_rep).float())  # [B, h, T, dv]
+    return out.transpose(1, 2), diff_map.to(q1.dtype)
+
+
+def interface_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+    """One standard-attention call per branch through transformers' attention interface (sdpa, flex, flash).
+
+    FlashAttention needs equal q/k/v head dims and transformers' flash path silently pads/crops a wider V,
+    so for flash backends V is split into d-wide chunks (two calls per branch).
+    """
+    attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+    chunks = v.split(q1.shape[-1], dim=-1) if "flash" in module.config._attn_implementation else (v,)
+    branch_outputs = []
+    for query, key in ((q1, k1), (q2, k2)):
+        parts = [attend(module, query, key, chunk, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0]
+                 for chunk in chunks]
+        branch_outputs.append(torch.cat(parts, dim=-1).float())  # [B, T, h, dv]
+    return branch_outputs[0] - lam * branch_outputs[1], None
+
+
+def fused_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+    """The one-pass Triton kernel: both softmaxes once per tile, V read once (diff_flash_attention.py)."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(f"{FUSED_IMPLEMENTATION} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
+    out = diff_flash_attention(q1, q2, k1, k2, v, lam, scaling=scaling, causal=True, mask=attention_mask)
+    return out.transpose(1, 2).float(), None
+
+
+DIFF_ATTENTION_FUNCTIONS: dict[str, Callable] = {
+    "eager": eager_diff_attention,
+    FUSED_IMPLEMENTATION: fused_diff_attention,
+}
+
+
+class DiffAttention(nn.Module):
+    """Differential multi-head attention (paper §2.1), V1 weight layout of DESIGN.md §2."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.value_head_dim = config.value_head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        hidden, d, dv = config.hidden_size, self.head_dim, self.value_head_dim
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, 2 * self.num_key_value_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * dv, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * dv, hidden, bias=config.attention_out_bias)
+        lambda_init = config.layer_lambda_init(layer_idx)
+        self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
+        self.subln = LlamaRMSNorm(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()
+        self.output_scale = 1.0 - lambda_init if config.use_subln else 1.0
+        self.branch_maps: list | None = None
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """Project and rotate: q [B, 2h, T, d], k [B, h_kv, T, 2d] (k1 | k2 per kv head), v [B, h_kv, T, dv]."""
+        batch, length, _ = hidden_states.shape
+        h_kv, d = self.num_key_value_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h, T, d]
+        k = self.k_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h_kv, T, d]
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        k = k.view(batch, 2, h_kv, length, d).permute(0, 2, 3, 1, 4).reshape(batch, h_kv, length, 2 * d)
+        v = self.v_proj(hidden_states).view(batch, length, h_kv, -1).transpose(1, 2)  # [B, h_kv, T, dv]
+        return q, k, v
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self.project(hidden_states, position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attend = DIFF_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, interface_diff_attention)
+        lam = self.lambda_params()
+        out, attn_map = attend(
+            self, q[:, :h], q[:, h:], k[..., :d], k[..., d:], v, lam, attention_mask, self.scaling, **kwargs
+        )  # out [B, T, h, dv] fp32
+        out = self.subln(out) * self.output_scale  # SubLN per head, in fp32
+        out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
+        return out, attn_map
+
+
+class DiffV2Attention(nn.Module):
+    """DIFF V2: one attention call over 2h heads of dim d; head pair (2j, 2j+1) gives
+    out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1. No SubLN, no (1 - lambda_init)."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 2 * config.num_attention_heads // config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        hidden, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.attention_out_bias)
+        self.lambda_proj = nn.Linear(hidden, self.num_heads, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, 2h, T, d]
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        attn = attn.view(batch, length, self.num_heads, 2, self.head_dim)  # [B, T, h, pair, d]
+        gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]
+        out = attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float()
+        if weights is not None:  # eager: differential map per head, A_2j - gate_j A_2j+1
+            pairs = weights.view(batch, self.num_heads, 2, length, -1)
+            weights = pairs[:, :, 0] - gate.transpose(1, 2)[..., None].to(weights.dtype) * pairs[:, :, 1]
+        out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
+        return out, weights
+
+
+class DiffStandardAttention(LlamaAttention):
+    """Plain softmax attention for hybrid stacks: `h * dv / d` heads of dim d (Llama's forward, reused)."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        nn.Module.__init__(self)
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        widen = config.value_head_dim // config.head_dim
+        num_heads, num_kv_heads = config.num_attention_heads * widen, config.num_key_value_heads * widen
+        self.num_key_value_groups = num_heads // num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = 0.0
+        self.is_causal = True
+        hidden, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(num_heads * d, hidden, bias=config.attention_out_bias)
+
+
+def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
+    if config.attention_types[layer_idx] == "standard":
+        return DiffStandardAttention(config, layer_idx)
+    if config.diff_version == 2:
+        return DiffV2Attention(config, layer_idx)
+    return DiffAttention(config, layer_idx)
+
+
+ATTENTION_CLASSES = (DiffAttention, DiffV2Attention, DiffStandardAttention)
+
+
+class DiffDecoderLayer(GradientCheckpointingLayer):
+    """Pre-RMSNorm block: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = build_attention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        attn_out, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DiffPreTrainedModel(PreTrainedModel):
+    config: DiffConfig
+    config_class = DiffConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DiffDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": ATTENTION_CLASSES}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, DiffLambda):
+            for param in (module.q1, module.k1, module.q2, module.k2):
+                nn.init.normal_(param, mean=0.0, std=module.std)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        if attn_implementation == FUSED_IMPLEMENTATION:
+            ok, reason = triton_available()
+            if not ok:
+                raise ValueError(f"attn_implementation='{FUSED_IMPLEMENTATION}' is unavailable: {reason}")
+            return attn_implementation
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Out-of-range ids otherwise crash inside the embedding with an opaque index error (or a CUDA assert)."""
+    if is_torchdynamo_compiling() or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"input_ids must lie in [0, {vocab_size}) (config.vocab_size) but range over [{low}, {high}]; "
+            "check the tokenizer matches the model or resize the embeddings with model.resize_token_embeddings"
+        )
+
+
+class DiffModel(DiffPreTrainedModel):
+    def __init__(self, config: DiffConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            check_token_ids(input_ids, self.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DiffConfig):
+        super().__init__(config)
+        self.model = DiffModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class DiffForSequenceClassification(GenericForSequenceClassification, DiffPreTrainedModel): ...
+
+
+@contextmanager
+def capture_branch_attentions(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Collect (A1, A2, lambda) of every differential layer during forwards inside the block (eager only).
+
+    The maps are released when the caller drops the yielded list; nothing is held between calls otherwise.
+    """
+    layers = [m for m in model.modules() if isinstance(m, DiffAttention)]
+    maps: list = []
+    for layer in layers:
+        layer.branch_maps = maps
+    try:
+        yield maps
+    finally:
+        for layer in layers:
+            layer.branch_maps = None
+
+
+ALL_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_mask)
+
+__all__ = [
+    "DiffPreTrainedModel",
+    "DiffModel",
+    "DiffForCausalLM",
+    "DiffForSequenceClassification",
+    "capture_branch_attentions",
+]

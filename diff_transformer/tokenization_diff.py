@@ -1,0 +1,64 @@
+"""Tokenizers for DIFF Transformer models (arXiv 2410.05258): byte-level BPE trained on the user's text, or a
+word-level vocabulary for synthetic tasks. Both return a `PreTrainedTokenizerFast` that round-trips through
+`save_pretrained` / `AutoTokenizer`."""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def _wrap(tokenizer: Tokenizer, chat_template: str | None, model_max_length: int) -> PreTrainedTokenizerFast:
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_max_length, **SPECIAL_TOKENS)
+    wrapped.padding_side = "left"  # decoder-only generation pads on the left
+    if chat_template is not None:
+        wrapped.chat_template = chat_template
+    return wrapped
+
+
+def train_bpe_tokenizer(
+    files: Iterable[str | Path] | None = None,
+    texts: Iterable[str] | None = None,
+    vocab_size: int = 4096,
+    min_frequency: int = 2,
+    chat_template: str | None = None,
+    model_max_length: int = 4096,
+) -> PreTrainedTokenizerFast:
+    """Train a GPT-2 style byte-level BPE on text files (or an iterable of strings); no download needed."""
+    if files is None and texts is None:
+        raise ValueError("train_bpe_tokenizer needs `files` (paths to text files) or `texts` (strings)")
+    files = [str(f) for f in files or []]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"tokenizer training files not found: {missing}")
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    if files:
+        tokenizer.train(files, trainer)
+    if texts is not None:
+        tokenizer.train_from_iterator(texts, trainer)
+    return _wrap(tokenizer, chat_template, model_max_length)
+
+
+def build_word_tokenizer(words: Iterable[str], model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over a fixed vocabulary (special tokens get ids 0-3)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS.values())}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return _wrap(tokenizer, None, model_max_length)
+
+
+__all__ = ["train_bpe_tokenizer", "build_word_tokenizer", "SPECIAL_TOKENS"]

@@ -1,0 +1,311 @@
+"""Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from reference import (
+    TOLERANCES,
+    assert_close,
+    attention_weights,
+    paper_lambda_init,
+    reference_diff_attention,
+    tiny_config,
+)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.masking_utils import create_causal_mask
+
+from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
+from diff_transformer.modeling_diff import DiffAttention, compute_lambda
+
+BACKENDS = ["eager", "sdpa"]
+DTYPES = [torch.float32, torch.bfloat16]
+HEADS = {"MHA": dict(num_attention_heads=4, num_key_value_heads=4), "GQA": dict(num_attention_heads=4, num_key_value_heads=2)}
+
+
+def build_model(backend: str = "sdpa", dtype: torch.dtype = torch.float32, **overrides) -> DiffForCausalLM:
+    model = DiffForCausalLM._from_config(tiny_config(**overrides), attn_implementation=backend)
+    return model.to(dtype).eval()
+
+
+def randomize_gains(model: torch.nn.Module) -> None:
+    """Norm gains start at 1; perturb them so the tests see whether each one is applied."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "subln" in name:
+                param.add_(0.2 * torch.randn_like(param))
+
+
+def run_attention(attn: DiffAttention, model: DiffModel, x: torch.Tensor, key_valid=None):
+    position_ids = torch.arange(x.shape[1])[None]
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=x, attention_mask=key_valid, past_key_values=None, position_ids=position_ids
+    )
+    out, _ = attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+def test_attention_matches_reference(backend, heads, dtype, padded):
+    """B2-T12-H4-D8: output and gradients (input, every weight, lambda vectors, SubLN gain) vs fp64 reference."""
+    model = build_model(backend, dtype, **HEADS[heads], hidden_size=64).model
+    randomize_gains(model)
+    layer_idx = 1
+    attn = model.layers[layer_idx].self_attn
+    x = torch.randn(2, 12, 64, dtype=dtype, requires_grad=True)
+    key_valid = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        key_valid[1, :4] = 0
+    out = run_attention(attn, model, x, key_valid if padded else None)
+    rows = key_valid.bool()  # queries at pad positions see no valid key; their output is unspecified
+    grad_out = torch.randn_like(out) * rows[..., None]
+    out.backward(grad_out)
+
+    ref_weights = attention_weights(attn)
+    x_ref = x.detach().double().requires_grad_()
+    ref = reference_diff_attention(x_ref, ref_weights, model.config, layer_idx, key_valid if padded else None)
+    ref.backward(grad_out.double())
+
+    assert_close(out[rows], ref[rows], dtype, f"{backend}/{heads} output")
+    assert_close(x.grad, x_ref.grad, dtype, f"{backend}/{heads} d input")
+    params = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
+              "lq1": attn.lambda_params.q1, "lk1": attn.lambda_params.k1, "lq2": attn.lambda_params.q2,
+              "lk2": attn.lambda_params.k2, "subln": attn.subln.weight}
+    scale = max(ref_weights[name].grad.abs().max().item() for name in params)
+    for name, param in params.items():
+        expected = ref_weights[name].grad
+        atol, rtol = TOLERANCES[dtype]
+        diff = (param.grad.double() - expected).abs()
+        assert diff.max() <= atol * scale + rtol * expected.abs().max(), (
+            f"{backend}/{heads} d{name}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
+        )
+
+
+def test_lambda_init_schedule():
+    config = tiny_config(num_hidden_layers=6)
+    expected = [0.8 - 0.6 * math.exp(-0.3 * i) for i in range(6)]
+    assert [config.layer_lambda_init(i) for i in range(6)] == pytest.approx(expected, abs=1e-12)
+    assert expected[0] == pytest.approx(0.2) and expected[5] == pytest.approx(0.8 - 0.6 * math.exp(-1.5))
+    model = build_model(num_hidden_layers=6)
+    for i, layer in enumerate(model.model.layers):
+        assert layer.self_attn.lambda_params.lambda_init == pytest.approx(paper_lambda_init(i))
+        assert layer.self_attn.output_scale == pytest.approx(1 - paper_lambda_init(i))
+    constant = tiny_config(lambda_init=0.5)
+    assert [constant.layer_lambda_init(i) for i in range(2)] == [0.5, 0.5]
+
+
+def test_lambda_formula_and_init():
+    q1, k1, q2, k2 = (torch.randn(8, dtype=torch.float64) for _ in range(4))
+    value = compute_lambda(q1, k1, q2, k2, 0.3)
+    expected = math.exp(float(q1 @ k1)) - math.exp(float(q2 @ k2)) + 0.3
+    assert value.dtype == torch.float32
+    assert value.item() == pytest.approx(expected, rel=1e-6)
+    model = build_model(hidden_size=256, num_attention_heads=2, num_hidden_layers=4)  # d = 64
+    vectors = torch.cat([torch.cat([p.q1, p.k1, p.q2, p.k2]) for p in
+                         (layer.self_attn.lambda_params for layer in model.model.layers)])
+    assert vectors.std().item() == pytest.approx(0.1, rel=0.15), "lambda vectors should be N(0, lambda_std_dev)"
+
+
+def greedy_by_full_forward(model, prompt, steps):
+    seq = prompt
+    for _ in range(steps):
+        with torch.no_grad():
+            next_token = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, next_token], dim=1)
+    return seq
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_greedy_equals_full_forward_argmax(backend, heads):
+    model = build_model(backend, **HEADS[heads])
+    prompt = torch.randint(3, 97, (2, 7))
+    generated = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert generated.shape[1] == 7 + 24
+    assert torch.equal(generated, greedy_by_full_forward(model, prompt, 24))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_left_padded_batch_generation_equals_one_by_one(backend):
+    model = build_model(backend, num_attention_heads=4, num_key_value_heads=2)
+    prompts = [torch.randint(3, 97, (n,)) for n in (9, 4, 6)]
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, p in enumerate(prompts):
+        batch[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(together[i, width:], alone[0, len(p):]), f"prompt {i} differs when batched"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_forward_matches_unpadded(backend):
+    model = build_model(backend)
+    tokens = torch.randint(3, 97, (1, 10))
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), tokens], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 10, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(tokens).logits
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        with_pad = model(padded, attention_mask=mask, position_ids=position_ids).logits[:, 5:]
+    assert_close(with_pad, plain, torch.float32, f"{backend} padded vs unpadded logits")
+
+
+def test_backends_agree_on_loss_and_gradients():
+    losses, grads = {}, {}
+    batch = torch.randint(3, 97, (2, 16))
+    for backend in BACKENDS:
+        torch.manual_seed(1)
+        model = build_model(backend, num_attention_heads=4, num_key_value_heads=2).train()
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        losses[backend] = loss.detach()
+        grads[backend] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert_close(losses["sdpa"], losses["eager"], torch.float32, "loss sdpa vs eager")
+    assert_close(grads["sdpa"], grads["eager"], torch.float32, "grads sdpa vs eager")
+
+
+def test_save_load_bit_identical_and_auto_classes(tmp_path):
+    model = build_model()
+    batch = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        logits = model(batch).logits
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    for name in ("modeling_diff.py", "configuration_diff.py"):
+        assert (tmp_path / name).exists(), f"{name} not copied next to the weights"
+    auto_map = AutoConfig.from_pretrained(tmp_path).auto_map
+    assert auto_map["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is DiffForCausalLM
+    assert type(AutoConfig.from_pretrained(tmp_path)) is DiffConfig
+    assert type(AutoModel.from_pretrained(tmp_path)) is DiffModel
+    assert type(AutoModelForSequenceClassification.from_pretrained(tmp_path)) is DiffForSequenceClassification
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(batch).logits, logits), "logits changed after save/load"
+
+
+def test_remote_code_loads_without_package(tmp_path):
+    model = build_model()
+    batch = torch.randint(3, 97, (1, 8))
+    with torch.no_grad():
+        logits = model(batch).logits
+    model.save_pretrained(tmp_path / "model")
+    torch.save({"batch": batch, "logits": logits}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path = [p for p in sys.path if p not in ("", {os.getcwd()!r})]
+        sys.modules["diff_transformer"] = None  # any import of the package now fails
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        with torch.no_grad():
+            logits = model(expected["batch"]).logits
+        diff = (logits - expected["logits"]).abs().max().item()
+        assert diff == 0.0, f"max abs diff {{diff}}"
+        print("REMOTE_OK", type(model).__name__)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "REMOTE_OK DiffForCausalLM" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_checkpointing_same_gradients(backend):
+    batch = torch.randint(3, 97, (2, 12))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(3)
+        model = build_model(backend).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model(batch, labels=batch).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert_close(grads[1], grads[0], torch.float32, f"{backend} checkpointed grads")
+
+
+def test_eager_returns_differential_maps():
+    from diff_transformer import capture_branch_attentions
+
+    model = build_model("eager")
+    batch = torch.randint(3, 97, (1, 6))
+    with torch.no_grad(), capture_branch_attentions(model) as branches:
+        out = model(batch, output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 2, 6, 6)
+    assert len(branches) == 2
+    for (a1, a2, lam), diff_map in zip(branches, out.attentions):
+        assert_close(diff_map, a1 - lam * a2, torch.float32, "differential map")
+        assert_close(a1.sum(-1), torch.ones(1, 2, 6), torch.float32, "branch-1 rows sum to 1")
+    assert all(layer.self_attn.branch_maps is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        (dict(num_key_value_heads=3), "num_key_value_heads (3) must divide"),
+        (dict(hidden_size=60, num_attention_heads=4), "set head_dim explicitly"),
+        (dict(head_dim=7), "must be even"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+        (dict(lambda_init=1.5), "lambda_init must be in [0, 1)"),
+        (dict(diff_version=3), "diff_version must be 1 or 2"),
+        (dict(attention_types=["differential"]), "one per layer"),
+        (dict(attention_types=["differential", "softmax"]), "must be one of"),
+        (dict(diff_version=2, attention_types=["standard", "differential"]), "need diff_version=1"),
+        (dict(value_head_dim=24, attention_types=["standard", "differential"]), "multiple of head_dim"),
+    ],
+    ids=["kv-heads", "head-dim-default", "odd-head-dim", "dropout", "lambda-init", "version", "types-len",
+         "types-name", "v2-hybrid", "standard-vdim"],
+)
+def test_invalid_configs_raise(fields, fragment):
+    with pytest.raises(ValueError, match="DiffConfig") as info:
+        tiny_config(**fields)
+    assert fragment in str(info.value)
+
+
+def test_out_of_range_token_ids_raise():
+    model = build_model()
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 97\)"):
+        model(torch.tensor([[5, 97]]))
+    with pytest.raises(ValueError, match="input_ids must lie"):
+        model(torch.tensor([[-1, 5]]))
+
+
+def test_unknown_attn_implementation_raises():
+    with pytest.raises(ValueError, match="not supported"):
+        DiffForCausalLM._from_config(tiny_config(), attn_implementation="fast_magic")
+
+
+def test_truncated_safetensors_raise(tmp_path):
+    build_model().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(Exception, match="(?i)safetensor|incomplete|truncat|invalid|deserializ") as info:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "model.safetensors" in str(info.value) or "header" in str(info.value).lower() or info.value is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_padded_rows_give_no_nan(backend):
+    model = build_model(backend).train()
+    batch = torch.randint(3, 97, (3, 8))
+    mask = torch.ones_like(batch)
+    mask[1] = 0
+    mask[2, :5] = 0
+    labels = batch.masked_fill(mask == 0, -100)
+    out = model(batch, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    assert torch.isfinite(out.logits).all(), "NaN/inf in logits of a fully padded row"
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param.grad).all(), f"NaN/inf in grad of {name}"
