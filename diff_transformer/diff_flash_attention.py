@@ -23,6 +23,11 @@ k1 = k[..., :d] and k2 = k[..., d:] of a [B, h_kv, S, 2d] key cache, head slices
 tensor, a transposed output gradient or an expanded mask. The two tensors of a branch pair (q1/q2, k1/k2)
 share one set of strides in the kernel; a pair whose strides differ is made contiguous first.
 
+Backward memory: besides its inputs the forward keeps the output, the normalised branch-2 output O2 (same size
+and dtype as the output) and two fp32 log-sum-exps [B, h, T]; O1 = out + lam * O2 is reconstructed for the
+FlashAttention-2 row sums D_b = rowsum(dO * O_b). Nothing of size T x S is stored. dk/dv are accumulated per key
+tile over the GQA group's query heads, so no atomics are needed.
+
 GQA: query head j reads kv head j // (h // h_kv) in both branches.
 causal=True is bottom-right aligned: query i may attend key j iff j <= i + S - T.
 A fully masked query row gives output 0 and zero gradients.
@@ -333,14 +338,16 @@ if triton is not None:
         _store_rows(DV + row_kv * V_DIM, dv, offs_n, offs_v, S, V_DIM)
 
 
-def _tile_config(v_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): tiny tiles under the interpreter; on GPU the two fp32 accumulators of
-    width dv per query row bound the tile size."""
+def _tile_config(v_dim: int) -> tuple[int, int, dict]:
+    """(BLOCK_M, BLOCK_N, launch options): tiny tiles under the interpreter; on GPU the two fp32 accumulators
+    of width dv per query row bound the tile size. fp32 inputs are multiplied in full fp32 (no TF32), like eager;
+    the option changes nothing for fp16/bf16 inputs."""
+    options = dict(default_dot_input_precision="ieee")
     if _INTERPRET:
-        return 16, 16, 1
+        return 16, 16, options
     if v_dim <= 128:
-        return 64, 64, 4
-    return 64, 32, 8
+        return 64, 64, dict(options, num_warps=4)
+    return 64, 32, dict(options, num_warps=8)
 
 
 def _paired(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -392,7 +399,7 @@ class _DiffFlashAttention(torch.autograd.Function):
         _, h_kv, S, dv = v.shape
         lam32 = lam.detach().to(device=q1.device, dtype=torch.float32).reshape(())
         mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-        block_m, block_n, num_warps = _tile_config(dv)
+        block_m, block_n, options = _tile_config(dv)
 
         out = torch.empty(B, h, T, dv, dtype=q1.dtype, device=q1.device)
         o2 = torch.empty_like(out)
@@ -403,7 +410,7 @@ class _DiffFlashAttention(torch.autograd.Function):
             *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
             h, T, S, h // h_kv, scaling * math.log2(math.e),
             HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-            CAUSAL=causal, HAS_MASK=has_mask, num_warps=num_warps,
+            CAUSAL=causal, HAS_MASK=has_mask, **options,
         )
         ctx.save_for_backward(q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
@@ -420,9 +427,9 @@ class _DiffFlashAttention(torch.autograd.Function):
         delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
         grad_lam = -delta2.sum()
         mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-        block_m, block_n, num_warps = _tile_config(dv)
+        block_m, block_n, options = _tile_config(dv)
         common = dict(HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-                      CAUSAL=ctx.causal, HAS_MASK=has_mask, num_warps=num_warps)
+                      CAUSAL=ctx.causal, HAS_MASK=has_mask, **options)
         strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
         qk_scale = ctx.scaling * math.log2(math.e)
 
@@ -434,12 +441,12 @@ class _DiffFlashAttention(torch.autograd.Function):
         )
         dk1 = torch.empty(B, h_kv, S, d, dtype=k1.dtype, device=k1.device)
         dk2 = torch.empty_like(dk1)
-        dv_ = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
+        grad_v = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
         _diff_attn_bwd_dkdv[(triton.cdiv(S, block_n), B * h_kv)](
-            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, dv_,
+            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, grad_v,
             *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling, **common,
         )
-        return dq1, dq2, dk1, dk2, dv_, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
+        return dq1, dq2, dk1, dk2, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
 
 
 def diff_flash_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,

@@ -84,9 +84,12 @@ class DiffLambda(nn.Module):
 
 
 def masked_softmax(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float):
-    """fp32 softmax(q k^T * scaling + mask); `mask` is transformers' additive eager mask."""
+    """fp32 softmax(q k^T * scaling + mask); `mask` is an additive (eager) or boolean (sdpa) transformers mask.
+    A finite fill keeps fully masked rows NaN-free."""
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # [B, h, T, S]
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
         scores = scores + mask.float()
     return torch.softmax(scores, dim=-1)
 
@@ -104,13 +107,17 @@ def eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling
 
 
 def interface_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
-    """One standard-attention call per branch through transformers' attention interface (sdpa, flex, flash).
+    """Standard attention through transformers' attention interface (sdpa, flex, flash), per branch.
 
-    FlashAttention needs equal q/k/v head dims and transformers' flash path silently pads/crops a wider V,
-    so for flash backends V is split into d-wide chunks (two calls per branch).
+    V is split into d-wide chunks (two calls per branch): FlashAttention needs equal q/k/v head dims and
+    transformers' flash path silently pads/crops a wider V, and torch's fused CPU/GPU sdpa kernels likewise
+    fall back to the slow math path when V is wider than q/k.
     """
-    attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
-    chunks = v.split(q1.shape[-1], dim=-1) if "flash" in module.config._attn_implementation else (v,)
+    implementation = module.config._attn_implementation
+    if implementation == "sdpa" and q1.shape[2] == 1:  # a decode step: 4 kernel launches cost more than the maps
+        return eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling)[0], None
+    attend = ALL_ATTENTION_FUNCTIONS[implementation]
+    chunks = v.split(q1.shape[-1], dim=-1)
     branch_outputs = []
     for query, key in ((q1, k1), (q2, k2)):
         parts = [attend(module, query, key, chunk, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0]
