@@ -130,11 +130,100 @@ def add_generate_parser(commands) -> None:
     parser.set_defaults(func=lambda a: generate_text(a.model, a.prompt, a.max_new_tokens, a.sample))
 
 
+def parse_layers(text: str) -> list[int]:
+    """'1-11' or '1,3,5' (0-based, ranges inclusive) -> layer indices."""
+    layers = []
+    for part in text.split(","):
+        start, _, end = part.partition("-")
+        layers.extend(range(int(start), int(end or start) + 1))
+    return layers
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    from .convert import added_parameters, convert_checkpoint
+
+    options = {} if args.layers is None else {"layers": parse_layers(args.layers)}
+    if args.allow_sliding_window:
+        options["allow_sliding_window"] = True
+    model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
+    print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
+          f"{added_parameters(model) / 1e6:.3f}M parameters added")
+
+
+def add_convert_parser(commands) -> None:
+    parser = commands.add_parser("convert", help="convert a Llama/Mistral/Qwen2 or DiffLlama checkpoint")
+    parser.add_argument("src", help="source folder or Hub id")
+    parser.add_argument("out", help="output folder (model, generation config, tokenizer files)")
+    parser.add_argument("--layers", help="layers to make differential, e.g. '1-11' or '2,4' (default: all)")
+    parser.add_argument("--allow-sliding-window", action="store_true",
+                        help="convert a sliding-window model anyway (outputs match only within the window)")
+    parser.add_argument("--dtype", default="auto", help="dtype to load and save in (default: the checkpoint's)")
+    parser.set_defaults(func=run_convert)
+
+
+def run_eval_needle(args: argparse.Namespace) -> None:
+    from .evaluation import NeedleSettings, run_needle_cli
+
+    settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
+                              queries=args.queries, samples=args.samples, seed=args.seed)
+    run_needle_cli(args.model, settings, args.output)
+
+
+def add_eval_needle_parser(commands) -> None:
+    parser = commands.add_parser("eval-needle", help="multi-needle retrieval accuracy per (length, depth)")
+    parser.add_argument("model", help="saved model folder with its tokenizer")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100], help="answer depths (%%)")
+    parser.add_argument("--needles", type=int, default=6, help="needles N in the context")
+    parser.add_argument("--queries", type=int, default=2, help="query cities R (at the answer depth)")
+    parser.add_argument("--samples", type=int, default=5, help="prompts per (length, depth)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="needle", help="output prefix: PREFIX.md and PREFIX.png")
+    parser.set_defaults(func=run_eval_needle)
+
+
+def run_attention_noise(args: argparse.Namespace) -> None:
+    from .evaluation import run_attention_noise_cli
+
+    run_attention_noise_cli(args.model, args.baseline, args.length, args.needles, args.seed, args.output)
+
+
+def add_attention_noise_parser(commands) -> None:
+    parser = commands.add_parser("attention-noise", help="attention to the answer span vs the rest (paper Table 3)")
+    parser.add_argument("model", help="saved model folder with its tokenizer")
+    parser.add_argument("--baseline", help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
+    parser.add_argument("--length", type=int, default=1024, help="context length (tokens)")
+    parser.add_argument("--needles", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
+    parser.set_defaults(func=run_attention_noise)
+
+
+def run_outliers(args: argparse.Namespace) -> None:
+    from .evaluation import run_outliers_cli
+
+    run_outliers_cli(args.model, args.baseline, args.length, args.top_k, args.seed)
+
+
+def add_outliers_parser(commands) -> None:
+    parser = commands.add_parser("outliers", help="top-k activation magnitudes vs the median (paper Table 5)")
+    parser.add_argument("model", help="saved model folder with its tokenizer")
+    parser.add_argument("--baseline", help="saved baseline model using the same tokenizer")
+    parser.add_argument("--length", type=int, default=512, help="tokens of the probe text")
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=run_outliers)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(required=True, dest="command")
     add_train_parser(commands)
     add_generate_parser(commands)
+    add_convert_parser(commands)
+    add_eval_needle_parser(commands)
+    add_attention_noise_parser(commands)
+    add_outliers_parser(commands)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     args.func(args)

@@ -1,0 +1,105 @@
+"""Trainer callbacks for the Differential Transformer (Ye et al., arXiv 2410.05258): lambda logging and warm-up.
+
+`LambdaLoggingCallback` adds lambda per layer (and optionally the entropy of both softmax branches on a fixed probe
+batch) to the Trainer's logs. `LambdaWarmupCallback` ramps lambda_init of a converted model (which starts at 0,
+see convert.py) linearly to a target, so the function moves away from the source model gradually.
+"""
+
+import torch
+from transformers import TrainerCallback
+
+from .modeling_diff import DiffAttention, capture_branch_attentions
+
+
+def differential_layers(model: torch.nn.Module) -> list[DiffAttention]:
+    return [m for m in model.modules() if isinstance(m, DiffAttention)]
+
+
+def lambda_values(model: torch.nn.Module) -> list[float]:
+    """Current lambda of every differential layer, in layer order."""
+    with torch.no_grad():
+        return [layer.lambda_params().item() for layer in differential_layers(model)]
+
+
+def branch_entropy(attn: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of softmax rows [B, h, T, S]; masked entries are 0 and contribute 0."""
+    return -(attn * attn.clamp_min(1e-30).log()).sum(-1).mean()
+
+
+def probe_entropies(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Entropy of A1 and A2 per differential layer on a probe batch (eager forward, no gradients, nothing kept)."""
+    previous, was_training = model.config._attn_implementation, model.training
+    model.set_attn_implementation("eager")
+    model.eval()
+    try:
+        with torch.no_grad(), capture_branch_attentions(model) as maps:
+            model(**{k: v.to(model.device) for k, v in probe.items()})
+            return {
+                f"attn_entropy/layer_{i}/branch_{b + 1}": branch_entropy(a).item()
+                for i, entry in enumerate(maps)
+                for b, a in enumerate(entry[:2])
+            }
+    finally:
+        model.set_attn_implementation(previous)
+        model.train(was_training)
+
+
+class LambdaLoggingCallback(TrainerCallback):
+    """On every Trainer log: `lambda/layer_{i}` (index among differential layers) and, with a `probe` batch,
+    `attn_entropy/layer_{i}/branch_{1,2}`.
+
+    Values go into `logs` (seen by callbacks after this one) and into `state.log_history`. Reporting integrations
+    (wandb, tensorboard) run before user callbacks, so to reach them add this one first:
+    `trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(...))`.
+    """
+
+    def __init__(self, probe: dict[str, torch.Tensor] | None = None):
+        self.probe = probe
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if logs is None or model is None:
+            return
+        extra = {f"lambda/layer_{i}": value for i, value in enumerate(lambda_values(model))}
+        if self.probe is not None:
+            extra.update(probe_entropies(model, self.probe))
+        logs.update(extra)
+        if state.log_history:
+            state.log_history[-1].update(extra)
+
+
+def set_lambda_init(model: torch.nn.Module, value: float) -> None:
+    """Set lambda_init of every differential layer (and the config, so checkpoints reload with it)."""
+    for layer in differential_layers(model):
+        layer.lambda_params.lambda_init = value
+        if model.config.use_subln:
+            layer.output_scale = 1.0 - value
+    model.config.lambda_init = value
+
+
+class LambdaWarmupCallback(TrainerCallback):
+    """Ramp a constant lambda_init linearly from its start value to `target` over `warmup_steps` optimizer steps.
+
+    Every intermediate value is a constant, so `config.lambda_init` always describes the model and checkpoints
+    saved mid-ramp reload exactly.
+    """
+
+    def __init__(self, target: float, warmup_steps: int):
+        if not 0.0 <= target < 1.0 or warmup_steps < 1:
+            raise ValueError(f"need 0 <= target < 1 and warmup_steps >= 1, got {target}, {warmup_steps}")
+        self.target = target
+        self.warmup_steps = warmup_steps
+        self.start: float | None = None
+
+    def value_at(self, step: int) -> float:
+        progress = min(step / self.warmup_steps, 1.0)
+        return self.start + (self.target - self.start) * progress
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.start = model.config.lambda_init or 0.0
+        set_lambda_init(model, self.value_at(state.global_step))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        set_lambda_init(model, self.value_at(state.global_step))
+
+
+__all__ = ["LambdaLoggingCallback", "LambdaWarmupCallback", "lambda_values", "set_lambda_init", "probe_entropies"]

@@ -1,0 +1,90 @@
+"""Hybrid stacks (some layers standard attention, config.attention_types) on every CPU backend (issue #5)."""
+
+import pytest
+import torch
+from reference import tiny_config
+from transformers import AutoModelForCausalLM
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.modeling_diff import DiffAttention, DiffStandardAttention
+
+BACKENDS = ["eager", "sdpa"]
+TYPES = ["standard", "differential", "standard", "differential"]
+BACKEND_ATOL = 1e-5  # fp32 eager vs sdpa
+
+
+def hybrid_model(backend: str, **overrides) -> DiffForCausalLM:
+    config = tiny_config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_types=TYPES,
+                         **overrides)
+    return DiffForCausalLM._from_config(config, attn_implementation=backend).eval()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = (a - b).abs()
+    return f"max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
+
+
+def test_layer_classes_follow_attention_types():
+    model = hybrid_model("sdpa")
+    classes = [type(layer.self_attn) for layer in model.model.layers]
+    assert classes == [DiffStandardAttention, DiffAttention, DiffStandardAttention, DiffAttention]
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == model.model.layers[1].self_attn.q_proj.weight.shape
+
+
+def test_backends_agree():
+    torch.manual_seed(0)
+    eager = hybrid_model("eager")
+    sdpa = hybrid_model("sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    ids = torch.randint(1, 97, (2, 16))
+    with torch.no_grad():
+        a, b = eager(ids).logits, sdpa(ids).logits
+    assert (a - b).abs().max() <= BACKEND_ATOL, f"eager vs sdpa on a hybrid stack: {max_diff(a, b)}"
+
+
+def test_eager_attention_maps_per_layer_type():
+    model = hybrid_model("eager")
+    ids = torch.randint(1, 97, (1, 10))
+    with torch.no_grad():
+        maps = model(ids, output_attentions=True).attentions
+    assert len(maps) == 4
+    standard_rows, differential_rows = maps[0].sum(-1), maps[1].sum(-1)
+    lam = model.model.layers[1].self_attn.lambda_params().item()
+    assert torch.allclose(standard_rows, torch.ones_like(standard_rows), atol=1e-5), "softmax rows must sum to 1"
+    expected = torch.full_like(differential_rows, 1 - lam)
+    assert torch.allclose(differential_rows, expected, atol=BACKEND_ATOL), (
+        f"A1 - lambda A2 rows: {max_diff(differential_rows, expected)}"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hybrid_trains_generates_and_round_trips(backend, tmp_path):
+    model = hybrid_model(backend).train()
+    ids = torch.randint(1, 97, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"loss did not fall: {losses}"
+    model.eval()
+
+    prompt = ids[:1, :6]
+    generated = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    with torch.no_grad():
+        full = model(generated[:, :-1], use_cache=False).logits
+    assert torch.equal(full[:, prompt.shape[1] - 1 :].argmax(-1), generated[:, prompt.shape[1] :]), (
+        "cached greedy generation differs from full-forward argmax"
+    )
+    static = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8, cache_implementation="static")
+    assert torch.equal(static, generated), "static cache generation differs from dynamic cache"
+
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=backend).eval()
+    assert reloaded.config.attention_types == TYPES
+    with torch.no_grad():
+        before, after = model(ids).logits, reloaded(ids).logits
+    assert torch.equal(before, after), f"save/load changed logits: {max_diff(before, after)}"
