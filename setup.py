@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     packages=["diff_transformer"],
+    py_modules=["hub_upload"],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

@@ -4,7 +4,6 @@ import argparse
 import random
 import time
 
-import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -225,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
     add_attention_noise_parser(commands)
     add_outliers_parser(commands)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     args.func(args)
 
 

@@ -71,7 +71,7 @@ def retrieval_accuracy(model, tokenizer, task: KeyValueTask, count: int = 200, s
     rng = random.Random(seed)
     examples = [task.example(rng) for _ in range(count)]
     prompts = [[tokenizer.bos_token_id] + tokenizer(p)["input_ids"] for p, _ in examples]
-    answers = torch.tensor([tokenizer.convert_tokens_to_ids(a) for _, a in examples])
+    answers = torch.tensor([tokenizer(a)["input_ids"][0] for _, a in examples])
     with torch.no_grad():
         logits = model(torch.tensor(prompts, device=model.device)).logits[:, -1]
     return (logits.argmax(-1).cpu() == answers).float().mean().item()

@@ -118,6 +118,8 @@ def interface_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, sca
         return eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling)[0], None
     attend = ALL_ATTENTION_FUNCTIONS[implementation]
     chunks = v.split(q1.shape[-1], dim=-1)
+    if implementation == "flex_attention":  # torch's compiled CPU flex kernel misreads these strided views (NaN)
+        k1, k2, chunks = k1.contiguous(), k2.contiguous(), [chunk.contiguous() for chunk in chunks]
     branch_outputs = []
     for query, key in ((q1, k1), (q2, k2)):
         parts = [attend(module, query, key, chunk, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0]
@@ -127,9 +129,16 @@ def interface_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, sca
 
 
 def fused_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
-    """The one-pass Triton kernel: both softmaxes once per tile, V read once (diff_flash_attention.py)."""
+    """The one-pass Triton kernel: both softmaxes once per tile, V read once (diff_flash_attention.py).
+
+    A skipped sdpa mask (None) with T > 1 means sdpa's top-left `is_causal`: a static cache's prefill has
+    S = max_cache_len > T, so the keys past T (unfilled slots) are dropped before the kernel's bottom-right causal.
+    """
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise ValueError(f"{FUSED_IMPLEMENTATION} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
+    length = q1.shape[2]
+    if attention_mask is None and length > 1:
+        k1, k2, v = (t[:, :, :length] for t in (k1, k2, v))  # [B, h_kv, T, .]
     out = diff_flash_attention(q1, q2, k1, k2, v, lam, scaling=scaling, causal=True, mask=attention_mask)
     return out.transpose(1, 2).float(), None
 

@@ -2,7 +2,7 @@
 word-level vocabulary for synthetic tasks. Both return a `PreTrainedTokenizerFast` that round-trips through
 `save_pretrained` / `AutoTokenizer`."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -11,12 +11,18 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def _wrap(tokenizer: Tokenizer, chat_template: str | None, model_max_length: int) -> PreTrainedTokenizerFast:
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_max_length, **SPECIAL_TOKENS)
-    wrapped.padding_side = "left"  # decoder-only generation pads on the left
-    if chat_template is not None:
-        wrapped.chat_template = chat_template
-    return wrapped
+def _wrap(
+    tokenizer: Tokenizer, chat_template: str | None, model_max_length: int, extra_special_tokens: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
+    # padding_side goes through __init__ so that save_pretrained records it (decoder-only generation pads left)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        model_max_length=model_max_length,
+        padding_side="left",
+        chat_template=chat_template,
+        extra_special_tokens=list(extra_special_tokens),
+        **SPECIAL_TOKENS,
+    )
 
 
 def train_bpe_tokenizer(
@@ -26,8 +32,13 @@ def train_bpe_tokenizer(
     min_frequency: int = 2,
     chat_template: str | None = None,
     model_max_length: int = 4096,
+    extra_special_tokens: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
-    """Train a GPT-2 style byte-level BPE on text files (or an iterable of strings); no download needed."""
+    """Train a GPT-2 style byte-level BPE on text files (or an iterable of strings); no download needed.
+
+    `SPECIAL_TOKENS` get ids 0-3 and `extra_special_tokens` (e.g. chat-turn markers) the ids after them; neither
+    is ever split. `chat_template` is a Jinja template stored with the tokenizer for `apply_chat_template`.
+    """
     if files is None and texts is None:
         raise ValueError("train_bpe_tokenizer needs `files` (paths to text files) or `texts` (strings)")
     files = [str(f) for f in files or []]
@@ -41,23 +52,29 @@ def train_bpe_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS.values()),
+        special_tokens=[*SPECIAL_TOKENS.values(), *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     if files:
         tokenizer.train(files, trainer)
     if texts is not None:
         tokenizer.train_from_iterator(texts, trainer)
-    return _wrap(tokenizer, chat_template, model_max_length)
+    return _wrap(tokenizer, chat_template, model_max_length, extra_special_tokens)
 
 
 def build_word_tokenizer(words: Iterable[str], model_max_length: int = 4096) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over a fixed vocabulary (special tokens get ids 0-3)."""
+    """A whitespace word-level tokenizer over a fixed vocabulary (special tokens get ids 0-3).
+
+    Words are stored byte-level with their leading space ("Ġk1"), as in GPT-2, so a continuation decoded on its
+    own (as `pipeline` does) keeps its separating space.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS.values())}
     for word in words:
-        vocab.setdefault(word, len(vocab))
+        vocab.setdefault(byte_level.pre_tokenize_str(word)[0][0], len(vocab))
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
     return _wrap(tokenizer, None, model_max_length)
 
 

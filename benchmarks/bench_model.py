@@ -1,0 +1,169 @@
+"""Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager) vs transformers' DiffLlamaForCausalLM and
+LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode tokens/s and peak memory as
+ratios measured in one run. Timings are interleaved (round-robin over models) so machine noise hits all alike.
+
+    python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (issue #2 setting)
+    python benchmarks/bench_model.py --quick           # smaller, for a smoke run
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
+
+MODELS = ["diff-sdpa", "diff-eager", "diffllama-sdpa", "llama-sdpa"]
+
+
+def build(name: str, args: argparse.Namespace) -> torch.nn.Module:
+    common = dict(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, max_position_embeddings=args.seq + args.new_tokens + 8,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    heads = args.hidden // 64
+    torch.manual_seed(0)
+    if name.startswith("diff-"):
+        config = DiffConfig(num_attention_heads=heads // 2, **common)  # h = hidden / (2d), d = 64
+        model = DiffForCausalLM._from_config(config, attn_implementation=name.split("-")[1])
+    elif name.startswith("diffllama"):
+        config = DiffLlamaConfig(num_attention_heads=heads, head_dim=64, **common)
+        model = DiffLlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    else:
+        config = LlamaConfig(num_attention_heads=heads, **common)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return model.to(args.device)
+
+
+def train_step_time(model, optimizer, batch) -> float:
+    start = time.perf_counter()
+    model(batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    synchronize(batch.device)
+    return time.perf_counter() - start
+
+
+def decode_time(model, prompt, new_tokens: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    synchronize(prompt.device)
+    return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_times(args: argparse.Namespace) -> dict:
+    models = {name: build(name, args) for name in args.models}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    batch = torch.randint(3, args.vocab, (args.batch, args.seq), device=args.device)
+    prompt = torch.randint(3, args.vocab, (1, args.prompt_len), device=args.device)
+    train, decode = {n: [] for n in models}, {n: [] for n in models}
+    for name, model in models.items():  # warm-up
+        train_step_time(model.train(), optimizers[name], batch)
+        decode_time(model.eval(), prompt, 4)
+    for _ in range(args.repeats):
+        for name, model in models.items():
+            train[name].append(train_step_time(model.train(), optimizers[name], batch))
+        for name, model in models.items():
+            decode[name].append(decode_time(model.eval(), prompt, args.new_tokens))
+    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+    return {
+        n: dict(params=params[n], train_tok_s=args.batch * args.seq / statistics.median(train[n]),
+                decode_tok_s=args.new_tokens / statistics.median(decode[n]))
+        for n in models
+    }
+
+
+def peak_memory(name: str, args: argparse.Namespace) -> float:
+    """Peak memory (MiB) of one training step + one generation, in a fresh subprocess: CUDA peak allocation, or
+    on CPU the peak resident set above the interpreter's after imports."""
+    code = (
+        "import sys, json, resource, torch; sys.argv = json.loads(sys.argv[1]);"
+        "import runpy; ns = runpy.run_path(sys.argv[0], run_name='bench');"
+        "ns['memory_child']()"
+    )
+    argv = [__file__, *sys.argv[1:], "--child", name]
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def memory_child() -> None:
+    import resource
+
+    args = parse_args()
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # interpreter + torch + transformers
+    model = build(args.child, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(3, args.vocab, (args.batch, args.seq), device=args.device)
+    train_step_time(model.train(), optimizer, batch)
+    decode_time(model.eval(), batch[:1, : args.prompt_len], 8)
+    if args.device == "cuda":
+        print(torch.cuda.max_memory_allocated() / 2**20)
+    else:
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--intermediate", type=int, default=1376)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, seq 256, 2 repeats")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.intermediate, args.seq, args.repeats, args.new_tokens = 256, 2, 688, 256, 2, 32
+    return args
+
+
+def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
+    base = results.get("diff-sdpa")
+    lines = [
+        f"hidden {args.hidden}, {args.layers} layers, seq {args.seq}, batch {args.batch}, decode {args.new_tokens} "
+        f"tokens after a {args.prompt_len}-token prompt, device {args.device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}",
+        "",
+        "| model | params (M) | train tok/s | decode tok/s | peak MiB (over import baseline) | DIFF-sdpa train ratio | DIFF-sdpa decode ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['params'] / 1e6:.2f} | {r['train_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+            f"{memory.get(name, float('nan')):.0f} | {base['train_tok_s'] / r['train_tok_s']:.3f} | "
+            f"{base['decode_tok_s'] / r['decode_tok_s']:.3f} |"
+        )
+    lines.append("")
+    lines.append("Ratios are DIFF-sdpa throughput divided by the row's throughput (>1: DIFF-sdpa is faster).")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    results = measure_times(args)
+    memory = {name: peak_memory(name, args) for name in args.models}
+    print(report(results, memory, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Publish a saved DIFF Transformer folder (model + tokenizer) to the Hugging Face Hub.
+
+    python hub_upload.py MODEL_DIR REPO_ID [--dry-run] [--private] [--license apache-2.0]
+
+Writes a model card (README.md), makes sure `auto_map` and the model code are in the folder so that it loads with
+`trust_remote_code=True` and no `diff_transformer` install, checks exactly that in a clean subprocess, then uploads.
+The token comes from HF_TOKEN or `hf auth login`; it is never printed or written anywhere.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+from transformers.dynamic_module_utils import get_relative_import_files
+
+import diff_transformer
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+AUTO_MAP = {
+    "AutoConfig": "configuration_diff.DiffConfig",
+    "AutoModel": "modeling_diff.DiffModel",
+    "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_diff.DiffForSequenceClassification",
+}
+CONFIG_ROWS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "diff_version", "lambda_init", "use_subln", "max_position_embeddings",
+    "rope_parameters", "tie_word_embeddings", "dtype",
+)
+
+
+class UploadError(Exception):
+    """A problem with the user's input, reported without a traceback."""
+
+
+def check_inputs(model_dir: Path, repo_id: str) -> dict:
+    if not REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
+        raise UploadError(f"repo id {repo_id!r} must look like 'user-or-org/model-name'")
+    if not model_dir.is_dir():
+        raise UploadError(f"model folder {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise UploadError(f"{model_dir} has no config.json: save the model with model.save_pretrained({model_dir})")
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise UploadError(f"{model_dir} has no tokenizer: save it with tokenizer.save_pretrained({model_dir})")
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != diff_transformer.DiffConfig.model_type:
+        raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
+    return config
+
+
+def install_remote_code(model_dir: Path, config: dict) -> None:
+    """Copy modeling_diff.py, configuration_diff.py and every sibling they import; point auto_map at them."""
+    package = Path(diff_transformer.__file__).parent
+    entry_points = [package / "modeling_diff.py", package / "configuration_diff.py"]
+    for source in {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}:
+        shutil.copyfile(source, model_dir / source.name)
+    config["auto_map"] = {**config.get("auto_map", {}), **AUTO_MAP}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def base_model(config: dict) -> str | None:
+    """The checkpoint a converted model came from, if the converter noted it."""
+    name = config.get("base_model") or config.get("_name_or_path")
+    return name if name and not Path(name).exists() and REPO_ID.match(name) else None
+
+
+def config_table(config: dict) -> str:
+    rows = [f"| `{key}` | `{config[key]}` |" for key in CONFIG_ROWS if key in config]
+    return "\n".join(["| field | value |", "| --- | --- |", *rows])
+
+
+def training_details(model_dir: Path) -> str:
+    state = model_dir / "trainer_state.json"
+    if not state.is_file():
+        return "Not recorded with this folder."
+    logs = json.loads(state.read_text())
+    losses = [entry["loss"] for entry in logs.get("log_history", []) if "loss" in entry]
+    final = f", final training loss {losses[-1]:.4f}" if losses else ""
+    return f"Trained with `transformers.Trainer` for {logs.get('global_step', '?')} steps{final}."
+
+
+def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> ModelCard:
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=["diff-transformer", "differential-attention", "custom_code", "text-generation"],
+        base_model=base_model(config),
+    )
+    body = textwrap.dedent("""
+        # {name}
+
+        A **Differential Transformer** ([arXiv 2410.05258](https://arxiv.org/abs/2410.05258)): a Llama-style decoder
+        whose attention is `(softmax(Q1 K1^T) - lambda softmax(Q2 K2^T)) V`, followed by a per-head RMSNorm (SubLN)
+        scaled by `1 - lambda_init`. Differential attention cancels common-mode attention noise.
+
+        ## Configuration
+
+        {table}
+
+        ## How to use
+
+        Without installing anything but `transformers` (the model code ships in this repository):
+
+        ```python
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained("{repo}")
+        model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+        ```
+
+        With the `diff_transformer` package installed, no remote code is needed:
+
+        ```python
+        import diff_transformer  # registers model_type "diff_transformer" with the Auto classes
+        from transformers import AutoModelForCausalLM, pipeline
+
+        model = AutoModelForCausalLM.from_pretrained("{repo}")
+        generator = pipeline("text-generation", model="{repo}")
+        ```
+
+        ## Training
+
+        {training}
+        """)
+    text = body.format(
+        name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir)
+    )
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+
+
+def check_remote_loading(model_dir: Path) -> str:
+    """Load with trust_remote_code in a fresh interpreter where `diff_transformer` cannot be imported."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["diff_transformer"] = None
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r})
+        ids = tokenizer("hello", return_tensors="pt")["input_ids"] % model.config.vocab_size
+        with torch.no_grad():
+            assert torch.isfinite(model(ids).logits).all(), "non-finite logits"
+        print("REMOTE_OK", type(model).__module__, type(model).__name__)
+    """)
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": scratch, "PYTHONPATH": ""}
+        result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=env, capture_output=True, text=True)
+    if "REMOTE_OK" not in result.stdout:
+        raise UploadError(f"{model_dir} does not load with trust_remote_code=True:\n{result.stderr[-3000:]}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def require_token() -> str:
+    token = get_token()  # HF_TOKEN, or the token saved by `hf auth login`
+    if not token:
+        raise UploadError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
+    return token
+
+
+def upload(model_dir: Path, repo_id: str, private: bool, token: str) -> str:
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, commit_message="Upload DIFF Transformer")
+    return commit.commit_url
+
+
+def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license: str) -> None:
+    config = check_inputs(model_dir, repo_id)
+    token = None if dry_run else require_token()
+    install_remote_code(model_dir, config)
+    model_card(model_dir, repo_id, config, license).save(model_dir / "README.md")
+    print(f"wrote {model_dir / 'README.md'} and the model code; {check_remote_loading(model_dir)}")
+    if dry_run:
+        print(f"dry run: not uploading to {repo_id}")
+        return
+    print(f"uploaded: {upload(model_dir, repo_id, private, token)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path, help="folder written by save_pretrained (model + tokenizer)")
+    parser.add_argument("repo_id", help="Hub repository, 'user-or-org/model-name'")
+    parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--license", default="apache-2.0", help="license id for the model card metadata")
+    args = parser.parse_args(argv)
+    try:
+        publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
+    except UploadError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

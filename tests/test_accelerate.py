@@ -1,0 +1,85 @@
+"""accelerate integration (issue #4): device_map="auto" loading, init_empty_weights, and 2-process data-parallel
+training (torchrun, gloo on CPU) that matches one process with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ddp_train
+import pytest
+import torch
+from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+from reference import assert_close, tiny_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from diff_transformer import DiffForCausalLM
+
+DDP_RTOL = 1e-5  # gradients all-reduced over 2 halves vs one batch: summation order only
+
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    DiffForCausalLM._from_config(tiny_config(), attn_implementation="sdpa").save_pretrained(path)
+    batch = torch.randint(3, 97, (2, 10))
+    with torch.no_grad():
+        logits = DiffForCausalLM.from_pretrained(path).eval()(batch).logits
+    return path, batch, logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_map_auto_same_logits(saved, dtype):
+    path, batch, fp32_logits = saved
+    loaded = AutoModelForCausalLM.from_pretrained(path, device_map="auto", dtype=dtype).eval()
+    assert loaded.dtype == dtype and all(p.device.type == "cpu" for p in loaded.parameters())
+    reference = DiffForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        actual, expected = loaded(batch).logits, reference(batch).logits
+    assert torch.equal(actual, expected), f"max abs diff {(actual - expected).abs().max():.3e}"
+    assert_close(actual, fp32_logits, dtype, f"device_map='auto' {dtype} vs fp32 logits")
+
+
+def test_init_empty_weights_then_dispatch(saved):
+    path, batch, logits = saved
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    empty.tie_weights()
+    model = load_checkpoint_and_dispatch(empty, str(path / "model.safetensors"), device_map="auto").eval()
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    with torch.no_grad():
+        assert_close(model(batch).logits, logits, torch.float32, "init_empty_weights + dispatch logits")
+
+
+def test_two_process_data_parallel_matches_single_process(tmp_path):
+    single = ddp_train.train(str(tmp_path / "single"), per_device_batch=ddp_train.GLOBAL_BATCH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        str(Path(__file__).with_name("ddp_train.py")), str(tmp_path / "ddp"), str(ddp_train.GLOBAL_BATCH // 2),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ddp = {int(k): v for k, v in json.loads((tmp_path / "ddp" / "losses.json").read_text()).items()}
+    assert sorted(ddp) == sorted(single) == list(range(1, ddp_train.STEPS + 1))
+    a, e = torch.tensor([ddp[s] for s in sorted(ddp)]), torch.tensor([single[s] for s in sorted(single)])
+    diff = (a - e).abs()
+    assert torch.allclose(a, e, rtol=DDP_RTOL, atol=0), f"max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
+    assert e[-1] < e[0], "the loss curve should go down"
+
+
+@pytest.mark.parametrize("name", ["accelerate_fsdp", "accelerate_deepspeed_zero3", "accelerate_cpu_ddp"])
+def test_launch_configs_parse(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    config = load_config_from_file(str(root / f"{name}.yaml"))
+    assert config.distributed_type in {"FSDP", "DEEPSPEED", "MULTI_CPU"}
+    if name == "accelerate_fsdp":
+        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DiffDecoderLayer"
+    if name == "accelerate_deepspeed_zero3":
+        deepspeed = json.loads((root / "deepspeed_zero3.json").read_text())
+        assert deepspeed["zero_optimization"]["stage"] == 3

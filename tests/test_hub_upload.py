@@ -1,0 +1,113 @@
+"""hub_upload.py (issue #4): --dry-run prepares a folder that loads without the package, with a valid model card;
+clear errors for bad input."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_pipeline import save_tiny_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("hub_upload", ROOT / "hub_upload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_upload(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(ROOT / "hub_upload.py"), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = save_tiny_folder(tmp_path_factory.mktemp("hub") / "model")
+    for name in ("modeling_diff.py", "configuration_diff.py"):
+        (folder / name).unlink()  # the script must put the code back
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("auto_map")
+    config["base_model"] = "meta-llama/Llama-3.2-1B"  # what a converter records
+    (folder / "config.json").write_text(json.dumps(config))
+    result = run_upload(str(folder), "someone/diff-tiny", "--dry-run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder, result
+
+
+def test_dry_run_writes_code_and_auto_map(prepared):
+    folder, result = prepared
+    assert "dry run" in result.stdout and "REMOTE_OK" in result.stdout
+    for name in ("modeling_diff.py", "configuration_diff.py", "diff_flash_attention.py"):
+        assert (folder / name).is_file(), name
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
+
+
+def test_model_card_metadata(prepared):
+    text = (prepared[0] / "README.md").read_text()
+    assert text.startswith("---\n")
+    metadata = yaml.safe_load(text.split("---\n")[1])
+    assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
+    assert metadata["license"] == "apache-2.0" and "diff-transformer" in metadata["tags"]
+    assert metadata["base_model"] == "meta-llama/Llama-3.2-1B"
+    assert "trust_remote_code=True" in text and "| `hidden_size` | `64` |" in text
+
+
+def test_folder_loads_without_package(prepared, tmp_path):
+    folder = prepared[0]
+    batch = torch.tensor([[1, 5, 9, 12]])
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path = [p for p in sys.path if p not in ("", {str(ROOT)!r})]
+        sys.modules["diff_transformer"] = None
+        import torch
+        from transformers import AutoModelForCausalLM, pipeline
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            torch.save(model(torch.tensor({batch.tolist()})).logits, {str(tmp_path / 'logits.pt')!r})
+        out = pipeline("text-generation", model={str(folder)!r}, trust_remote_code=True)("k1 v2", max_new_tokens=3)
+        print("REMOTE_OK", out[0]["generated_text"])
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "REMOTE_OK k1 v2" in result.stdout, result.stdout + result.stderr
+    from diff_transformer import DiffForCausalLM
+
+    with torch.no_grad():
+        expected = DiffForCausalLM.from_pretrained(folder).eval()(batch).logits
+    actual = torch.load(tmp_path / "logits.pt")
+    assert torch.equal(actual, expected), f"max abs diff {(actual - expected).abs().max():.3e}"
+
+
+@pytest.mark.parametrize(
+    "case, fragment",
+    [("missing", "does not exist"), ("no_tokenizer", "has no tokenizer"), ("bad_repo", "must look like"),
+     ("no_token", "no Hugging Face token")],
+)
+def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
+    script = load_script()
+    monkeypatch.setattr(script, "get_token", lambda: None)
+    folder = prepared[0]
+    if case == "no_tokenizer":
+        folder = tmp_path / "model"
+        folder.mkdir()
+        (folder / "config.json").write_text((prepared[0] / "config.json").read_text())
+    args = {
+        "missing": [str(tmp_path / "nope"), "someone/x", "--dry-run"],
+        "no_tokenizer": [str(folder), "someone/x", "--dry-run"],
+        "bad_repo": [str(folder), "not a repo id", "--dry-run"],
+        "no_token": [str(folder), "someone/x"],
+    }[case]
+    assert script.main(args) == 1
+    assert fragment in capsys.readouterr().err
