@@ -61,7 +61,7 @@ def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: in
     mask = None if implementation != "eager" else torch.ones(seq, seq, dtype=torch.bool, device=DEVICE).tril()[None, None]
 
     def run():
-        return attend(module, q[:, :h], q[:, h:], k[..., :d], k[..., d:], v, lam, mask, d**-0.5)[0]
+        return attend(module, q, k, v, lam, mask, d**-0.5)[0]
 
     return run, (q, k, v, lam)
 

@@ -1,6 +1,7 @@
 """Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager) vs transformers' DiffLlamaForCausalLM and
 LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode tokens/s and peak memory as
-ratios measured in one run. Timings are interleaved (round-robin over models) so machine noise hits all alike.
+ratios measured in one run. Timings are interleaved (round-robin over models, the order rotated every round) so
+machine noise and position effects hit all alike; peak memory is measured per model in a fresh subprocess.
 
     python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (issue #2 setting)
     python benchmarks/bench_model.py --quick           # smaller, for a smoke run
@@ -73,11 +74,13 @@ def measure_times(args: argparse.Namespace) -> dict:
     for name, model in models.items():  # warm-up
         train_step_time(model.train(), optimizers[name], batch)
         decode_time(model.eval(), prompt, 4)
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            train[name].append(train_step_time(model.train(), optimizers[name], batch))
-        for name, model in models.items():
-            decode[name].append(decode_time(model.eval(), prompt, args.new_tokens))
+    names = list(models)
+    for round_ in range(args.repeats):
+        order = names[round_ % len(names):] + names[: round_ % len(names)]  # rotate: no model always goes first
+        for name in order:
+            train[name].append(train_step_time(models[name].train(), optimizers[name], batch))
+        for name in order:
+            decode[name].append(decode_time(models[name].eval(), prompt, args.new_tokens))
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
     return {
         n: dict(params=params[n], train_tok_s=args.batch * args.seq / statistics.median(train[n]),
@@ -90,7 +93,7 @@ def peak_memory(name: str, args: argparse.Namespace) -> float:
     """Peak memory (MiB) of one training step + one generation, in a fresh subprocess: CUDA peak allocation, or
     on CPU the peak resident set above the interpreter's after imports."""
     code = (
-        "import sys, json, resource, torch; sys.argv = json.loads(sys.argv[1]);"
+        "import sys, json; sys.argv = json.loads(sys.argv[1]);"
         "import runpy; ns = runpy.run_path(sys.argv[0], run_name='bench');"
         "ns['memory_child']()"
     )
@@ -99,11 +102,18 @@ def peak_memory(name: str, args: argparse.Namespace) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def memory_child() -> None:
-    import resource
+def resident_peak_mib() -> float:
+    """The process's resident-set high-water mark. Not ru_maxrss: Linux carries that across execve, so a child
+    would start with its parent's peak; VmHWM belongs to the new address space."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: peak CPU memory needs Linux")
 
+
+def memory_child() -> None:
     args = parse_args()
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # interpreter + torch + transformers
+    baseline = resident_peak_mib()  # interpreter + torch + transformers
     model = build(args.child, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(3, args.vocab, (args.batch, args.seq), device=args.device)
@@ -112,7 +122,7 @@ def memory_child() -> None:
     if args.device == "cuda":
         print(torch.cuda.max_memory_allocated() / 2**20)
     else:
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline)
+        print(resident_peak_mib() - baseline)
 
 
 def parse_args() -> argparse.Namespace:
@@ -125,7 +135,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, seq 256, 2 repeats")
@@ -160,8 +170,8 @@ def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    results = measure_times(args)
     memory = {name: peak_memory(name, args) for name in args.models}
+    results = measure_times(args)
     print(report(results, memory, args))
 
 

@@ -9,14 +9,15 @@ A Llama-style decoder whose softmax attention is replaced by differential attent
 
 Tensor layout of the attention kernels (every backend in `DIFF_ATTENTION_FUNCTIONS` takes the same):
 
-    q1, q2 : [B, h, T, d]        views of the projected queries [B, 2h, T, d] ("halves" order, DESIGN.md §2)
-    k1, k2 : [B, h_kv, S, d]     views of the cached keys [B, h_kv, S, 2d] = (k1 | k2) per kv head
+    q      : [B, 2h, T, d]       projected, rotated queries, "halves" order (DESIGN.md §2): q1 = q[:, :h], q2 = q[:, h:]
+    k      : [B, h_kv, S, 2d]    cached keys packed per kv head as (k1 | k2): k1 = k[..., :d], k2 = k[..., d:]
     v      : [B, h_kv, S, dv]
     lam    : 0-dim fp32 tensor
     return : ([B, T, h, dv] fp32 difference, attention map or None)
 
 Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share the head count that transformers'
-static cache allocates for both, and both branches read their keys as zero-copy views.
+static cache allocates for both, both branches read their keys as zero-copy views, and (with dv = 2d) a
+zero-padded query attends to the packed keys in one standard-attention call per branch (`branch_calls`).
 """
 
 from collections.abc import Callable, Iterator
@@ -94,41 +95,57 @@ def masked_softmax(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | 
     return torch.softmax(scores, dim=-1)
 
 
-def eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q [B, 2h, T, d] -> q1, q2 [B, h, T, d]; packed k [B, h_kv, S, 2d] -> k1, k2 [B, h_kv, S, d] (views)."""
+    h, d = q.shape[1] // 2, q.shape[-1]
+    return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
+
+
+def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """Materialises A1 and A2; the only backend that returns the differential map A1 - lambda A2."""
     n_rep = module.num_key_value_groups
+    q1, q2, k1, k2 = split_branches(q, k)
     a1 = masked_softmax(q1, repeat_kv(k1, n_rep), attention_mask, scaling)
     a2 = masked_softmax(q2, repeat_kv(k2, n_rep), attention_mask, scaling)
     diff_map = a1 - lam * a2  # [B, h, T, S] fp32
     if module.branch_maps is not None:
         module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
     out = torch.matmul(diff_map, repeat_kv(v, n_rep).float())  # [B, h, T, dv]
-    return out.transpose(1, 2), diff_map.to(q1.dtype)
+    return out.transpose(1, 2), diff_map.to(q.dtype)
 
 
-def interface_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
-    """Standard attention through transformers' attention interface (sdpa, flex, flash), per branch.
+def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Per branch, the (query, key, value) standard-attention calls whose outputs concatenate to A_b V.
 
-    V is split into d-wide chunks (two calls per branch): FlashAttention needs equal q/k/v head dims and
-    transformers' flash path silently pads/crops a wider V, and torch's fused CPU/GPU sdpa kernels likewise
-    fall back to the slow math path when V is wider than q/k.
+    FlashAttention kernels need equal q/k/v head dims (transformers' flash path silently pads/crops a wider V, and
+    torch's fused sdpa kernels fall back to the slow math path). When V is as wide as the packed keys (dv = 2d, the
+    paper's layout) each branch is ONE call without copying K or V: the zero-padded query [q1, 0] (or [0, q2])
+    dotted with (k1 | k2) is exactly q1.k1 (or q2.k2). Otherwise V is split in d-wide chunks against k1 / k2.
     """
+    q1, q2, k1, k2 = split_branches(q, k)
+    if v.shape[-1] == k.shape[-1]:
+        zeros = torch.zeros_like(q1)
+        return [[(torch.cat([q1, zeros], dim=-1), k, v)], [(torch.cat([zeros, q2], dim=-1), k, v)]]  # [B, h, T, 2d]
+    chunks = v.split(q.shape[-1], dim=-1)
+    return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
+
+
+def interface_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """Standard attention through transformers' attention interface (sdpa, flex, flash), once per branch."""
     implementation = module.config._attn_implementation
-    if implementation == "sdpa" and q1.shape[2] == 1:  # a decode step: 4 kernel launches cost more than the maps
-        return eager_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling)[0], None
+    if implementation == "sdpa" and q.shape[2] == 1:  # a decode step: kernel launches cost more than the maps
+        return eager_diff_attention(module, q, k, v, lam, attention_mask, scaling)[0], None
     attend = ALL_ATTENTION_FUNCTIONS[implementation]
-    chunks = v.split(q1.shape[-1], dim=-1)
-    if implementation == "flex_attention":  # torch's compiled CPU flex kernel misreads these strided views (NaN)
-        k1, k2, chunks = k1.contiguous(), k2.contiguous(), [chunk.contiguous() for chunk in chunks]
     branch_outputs = []
-    for query, key in ((q1, k1), (q2, k2)):
-        parts = [attend(module, query, key, chunk, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0]
-                 for chunk in chunks]
+    for calls in branch_calls(q, k, v):
+        if implementation == "flex_attention":  # torch's compiled CPU flex kernel misreads strided views (NaN)
+            calls = [tuple(t.contiguous() for t in call) for call in calls]
+        parts = [attend(module, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
         branch_outputs.append(torch.cat(parts, dim=-1).float())  # [B, T, h, dv]
     return branch_outputs[0] - lam * branch_outputs[1], None
 
 
-def fused_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """The one-pass Triton kernel: both softmaxes once per tile, V read once (diff_flash_attention.py).
 
     A skipped sdpa mask (None) with T > 1 means sdpa's top-left `is_causal`: a static cache's prefill has
@@ -136,9 +153,10 @@ def fused_diff_attention(module, q1, q2, k1, k2, v, lam, attention_mask, scaling
     """
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise ValueError(f"{FUSED_IMPLEMENTATION} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
-    length = q1.shape[2]
+    length = q.shape[2]
     if attention_mask is None and length > 1:
-        k1, k2, v = (t[:, :, :length] for t in (k1, k2, v))  # [B, h_kv, T, .]
+        k, v = k[:, :, :length], v[:, :, :length]  # [B, h_kv, T, .]
+    q1, q2, k1, k2 = split_branches(q, k)
     out = diff_flash_attention(q1, q2, k1, k2, v, lam, scaling=scaling, causal=True, mask=attention_mask)
     return out.transpose(1, 2).float(), None
 
@@ -194,14 +212,12 @@ class DiffAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
-        h, d = self.num_heads, self.head_dim
         q, k, v = self.project(hidden_states, position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         attend = DIFF_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, interface_diff_attention)
-        lam = self.lambda_params()
         out, attn_map = attend(
-            self, q[:, :h], q[:, h:], k[..., :d], k[..., d:], v, lam, attention_mask, self.scaling, **kwargs
+            self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs
         )  # out [B, T, h, dv] fp32
         out = self.subln(out) * self.output_scale  # SubLN per head, in fp32
         out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))

@@ -188,10 +188,10 @@ def test_fused_kernel_receives_expected_masks(monkeypatch):
     seen = []
     fused = modeling_diff.DIFF_ATTENTION_FUNCTIONS[FUSED_IMPLEMENTATION]
 
-    def spy(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs):
+    def spy(module, q, k, v, lam, attention_mask, scaling, **kwargs):
         mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
-        seen.append((q1.shape[2], k1.shape[2], mask))
-        return fused(module, q1, q2, k1, k2, v, lam, attention_mask, scaling, **kwargs)
+        seen.append((q.shape[2], k.shape[2], mask))
+        return fused(module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
     monkeypatch.setitem(modeling_diff.DIFF_ATTENTION_FUNCTIONS, FUSED_IMPLEMENTATION, spy)
     model = build(FUSED_IMPLEMENTATION)
