@@ -47,7 +47,7 @@ def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
 
 def build_data(args: argparse.Namespace):
     if args.data is None:
-        task = KeyValueTask()
+        task = KeyValueTask(num_keys=args.keys, num_values=args.keys, num_pairs=args.pairs)
         tokenizer = task.tokenizer()
         return task, tokenizer, task_dataset(task, tokenizer, args.examples, seed=args.seed)
     tokenizer = train_bpe_tokenizer(files=[args.data], vocab_size=args.vocab_size)
@@ -66,7 +66,6 @@ def train(args: argparse.Namespace) -> None:
         learning_rate=args.learning_rate,
         lr_scheduler_type="cosine",
         warmup_steps=min(100, args.max_steps // 10),
-        weight_decay=0.1,
         logging_steps=50,
         save_strategy="no",
         report_to=[],
@@ -103,15 +102,17 @@ def add_train_parser(commands) -> None:
     parser.add_argument("--data", help="a UTF-8 text file; omitted: the built-in synthetic retrieval task")
     parser.add_argument("--output", default="runs/diff-tiny", help="folder for the model and tokenizer")
     parser.add_argument("--minutes", type=float, default=3.0, help="wall-clock training budget")
-    parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--max-steps", type=int, default=10000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2, help="differential heads h (head_dim = hidden / 2h)")
     parser.add_argument("--block-size", type=int, default=128, help="sequence length for text files")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary for text files")
     parser.add_argument("--examples", type=int, default=100_000, help="synthetic training sequences")
+    parser.add_argument("--pairs", type=int, default=2, help="key/value pairs per synthetic sequence")
+    parser.add_argument("--keys", type=int, default=16, help="distinct keys (and values) of the synthetic task")
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
