@@ -58,7 +58,8 @@ def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: in
     h, d = config.num_attention_heads, config.head_dim
     module = Layer(config, implementation, h // config.num_key_value_heads)
     q, k, v, lam = diff_inputs(config, batch, seq, dtype)
-    mask = None if implementation != "eager" else torch.ones(seq, seq, dtype=torch.bool, device=DEVICE).tril()[None, None]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=DEVICE).tril()[None, None]
+    mask = causal if implementation == "eager" else None
 
     def run():
         return attend(module, q, k, v, lam, mask, d**-0.5)[0]
@@ -117,7 +118,8 @@ def measure(run: Callable, leaves, backward: bool, repeats: int) -> tuple[float,
 def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[str, tuple[Callable, object] | str]:
     """name -> (run, leaves) or the reason it is skipped."""
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
-    out: dict = {"standard sdpa (2h heads of d)": standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False)}
+    reference = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False)
+    out: dict = {"standard sdpa (2h heads of d)": reference}
     out["eager"] = v1_case(config, "eager", eager_diff_attention, batch, seq, dtype)
     out["sdpa"] = v1_case(config, "sdpa", interface_diff_attention, batch, seq, dtype)
     flash_ok = CUDA and importlib.util.find_spec("flash_attn") is not None

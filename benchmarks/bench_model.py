@@ -1,7 +1,8 @@
-"""Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager) vs transformers' DiffLlamaForCausalLM and
-LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode tokens/s and peak memory as
-ratios measured in one run. Timings are interleaved (round-robin over models, the order rotated every round) so
-machine noise and position effects hit all alike; peak memory is measured per model in a fresh subprocess.
+"""Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager, DIFF V2) vs transformers'
+DiffLlamaForCausalLM and LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode
+tokens/s and peak memory as ratios measured in one run. Timings are interleaved (round-robin over models, the
+order rotated every round) so machine noise and position effects hit all alike; peak memory is measured per
+model in a fresh subprocess.
 
     python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (issue #2 setting)
     python benchmarks/bench_model.py --quick           # smaller, for a smoke run
@@ -20,7 +21,7 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, Lla
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
 
-MODELS = ["diff-sdpa", "diff-eager", "diffllama-sdpa", "llama-sdpa"]
+MODELS = ["diff-sdpa", "diff-eager", "diff-v2-sdpa", "diffllama-sdpa", "llama-sdpa"]
 
 
 def build(name: str, args: argparse.Namespace) -> torch.nn.Module:
@@ -31,7 +32,10 @@ def build(name: str, args: argparse.Namespace) -> torch.nn.Module:
     )
     heads = args.hidden // 64
     torch.manual_seed(0)
-    if name.startswith("diff-"):
+    if name == "diff-v2-sdpa":  # DIFF V2: 2h query heads of d, h = hidden / d, so k/v/o match Llama's shapes
+        config = DiffConfig(num_attention_heads=heads, head_dim=64, diff_version=2, **common)
+        model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
+    elif name.startswith("diff-"):
         config = DiffConfig(num_attention_heads=heads // 2, **common)  # h = hidden / (2d), d = 64
         model = DiffForCausalLM._from_config(config, attn_implementation=name.split("-")[1])
     elif name.startswith("diffllama"):
@@ -153,7 +157,8 @@ def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
         f"tokens after a {args.prompt_len}-token prompt, device {args.device}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, median of {args.repeats}",
         "",
-        "| model | params (M) | train tok/s | decode tok/s | peak MiB (over import baseline) | DIFF-sdpa train ratio | DIFF-sdpa decode ratio |",
+        "| model | params (M) | train tok/s | decode tok/s | peak MiB (over import baseline) "
+        "| DIFF-sdpa train ratio | DIFF-sdpa decode ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():

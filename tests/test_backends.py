@@ -25,7 +25,10 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKEND_TOLERANCES = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (4e-2, 4e-2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # head_dim 16 (hidden 64, 2 heads) is the smallest head the fused kernel accepts.
-HEADS = {"MHA": dict(num_attention_heads=2, num_key_value_heads=2), "GQA": dict(num_attention_heads=2, num_key_value_heads=1)}
+HEADS = {
+    "MHA": dict(num_attention_heads=2, num_key_value_heads=2),
+    "GQA": dict(num_attention_heads=2, num_key_value_heads=1),
+}
 
 needs_flash = pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs CUDA and the flash-attn package")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=triton_available()[1])

@@ -24,7 +24,10 @@ from diff_transformer.modeling_diff import DiffAttention, compute_lambda
 
 BACKENDS = ["eager", "sdpa"]
 DTYPES = [torch.float32, torch.bfloat16]
-HEADS = {"MHA": dict(num_attention_heads=4, num_key_value_heads=4), "GQA": dict(num_attention_heads=4, num_key_value_heads=2)}
+HEADS = {
+    "MHA": dict(num_attention_heads=4, num_key_value_heads=4),
+    "GQA": dict(num_attention_heads=4, num_key_value_heads=2),
+}
 
 
 def build_model(backend: str = "sdpa", dtype: torch.dtype = torch.float32, **overrides) -> DiffForCausalLM:

@@ -12,7 +12,10 @@ from diff_transformer import DiffForCausalLM
 from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-HEADS = {"MHA": dict(num_attention_heads=2, num_key_value_heads=2), "GQA": dict(num_attention_heads=2, num_key_value_heads=1)}
+HEADS = {
+    "MHA": dict(num_attention_heads=2, num_key_value_heads=2),
+    "GQA": dict(num_attention_heads=2, num_key_value_heads=1),
+}
 BACKENDS = ["eager", "sdpa"]
 
 
