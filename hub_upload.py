@@ -25,12 +25,12 @@ import diff_transformer
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-AUTO_MAP = {
-    "AutoConfig": "configuration_diff.DiffConfig",
-    "AutoModel": "modeling_diff.DiffModel",
-    "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
-    "AutoModelForSequenceClassification": "modeling_diff.DiffForSequenceClassification",
-}
+AUTO_CLASSES = (
+    diff_transformer.DiffConfig,
+    diff_transformer.DiffModel,
+    diff_transformer.DiffForCausalLM,
+    diff_transformer.DiffForSequenceClassification,
+)
 CONFIG_ROWS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "diff_version", "lambda_init", "use_subln", "max_position_embeddings",
@@ -57,13 +57,18 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
     return config
 
 
+def auto_map() -> dict[str, str]:
+    """`auto_map` entries of the classes `diff_transformer` registers with `register_for_auto_class`."""
+    return {cls._auto_class: f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" for cls in AUTO_CLASSES}
+
+
 def install_remote_code(model_dir: Path, config: dict) -> None:
     """Copy modeling_diff.py, configuration_diff.py and every sibling they import; point auto_map at them."""
     package = Path(diff_transformer.__file__).parent
     entry_points = [package / "modeling_diff.py", package / "configuration_diff.py"]
     for source in {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}:
         shutil.copyfile(source, model_dir / source.name)
-    config["auto_map"] = {**config.get("auto_map", {}), **AUTO_MAP}
+    config["auto_map"] = {**config.get("auto_map", {}), **auto_map()}
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

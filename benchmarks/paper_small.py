@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup, set_seed
 
 from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.data import text_file_dataset
 from diff_transformer.evaluation import (
     CITIES,
     FILLER,
@@ -70,8 +71,7 @@ def retrieval_data(args: argparse.Namespace):
 
 def text_data(path: Path, args: argparse.Namespace):
     tokenizer = train_bpe_tokenizer(files=[path], vocab_size=1024)
-    ids = torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"])
-    ids = ids[: len(ids) // args.block * args.block].view(-1, args.block)
+    ids = torch.stack([block["input_ids"] for block in text_file_dataset(path, tokenizer, args.block)])
     split = int(0.9 * len(ids))
     return tokenizer, ids[:split], ids[split:]
 

@@ -8,11 +8,7 @@ see convert.py) linearly to a target, so the function moves away from the source
 import torch
 from transformers import TrainerCallback
 
-from .modeling_diff import DiffAttention, capture_branch_attentions
-
-
-def differential_layers(model: torch.nn.Module) -> list[DiffAttention]:
-    return [m for m in model.modules() if isinstance(m, DiffAttention)]
+from .modeling_diff import capture_branch_attentions, differential_layers
 
 
 def lambda_values(model: torch.nn.Module) -> list[float]:
@@ -70,9 +66,7 @@ class LambdaLoggingCallback(TrainerCallback):
 def set_lambda_init(model: torch.nn.Module, value: float) -> None:
     """Set lambda_init of every differential layer (and the config, so checkpoints reload with it)."""
     for layer in differential_layers(model):
-        layer.lambda_params.lambda_init = value
-        if model.config.use_subln:
-            layer.output_scale = 1.0 - value
+        layer.set_lambda_init(value)
     model.config.lambda_init = value
 
 

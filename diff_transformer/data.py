@@ -15,9 +15,9 @@ class KeyValueTask:
     """Sequences `k12 v3 k40 v7 ... ? k40 v7`: a list of key/value pairs, then a query key whose value must be
     retrieved from context — the in-context retrieval the DIFF paper evaluates (§3.4), in miniature."""
 
-    num_keys: int = 64
-    num_values: int = 64
-    num_pairs: int = 8
+    num_keys: int = 16
+    num_values: int = 16
+    num_pairs: int = 2
 
     def vocabulary(self) -> list[str]:
         return [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)] + ["?"]

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from .modeling_diff import DiffAttention, capture_branch_attentions
+from .modeling_diff import DiffAttention, capture_branch_attentions, split_branches
 
 CITIES = (
     "Paris Lisbon Berlin Madrid Rome Vienna Prague Oslo Dublin Athens Cairo Lagos Nairobi Lima Quito Bogota Havana "
@@ -248,8 +248,8 @@ def attention_logits(module: torch.nn.Module, hidden: torch.Tensor, position_emb
     """q k^T * scaling of one attention module [B, heads (both branches for DIFF), T, T], recomputed from its input."""
     if isinstance(module, DiffAttention):
         q, k, _ = module.project(hidden, position_embeddings)
-        d = module.head_dim
-        k = torch.cat([k[..., :d], k[..., d:]], dim=1)  # [B, 2h_kv, T, d] in branch order
+        _, _, k1, k2 = split_branches(q, k)
+        k = torch.cat([k1, k2], dim=1)  # [B, 2h_kv, T, d] in branch order, matching q's "halves"
     else:
         shape = (*hidden.shape[:2], -1, module.head_dim)
         q = module.q_proj(hidden).view(shape).transpose(1, 2)

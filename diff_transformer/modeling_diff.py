@@ -24,9 +24,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -40,7 +43,6 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
     repeat_kv,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -85,12 +87,9 @@ class DiffLambda(nn.Module):
 
 
 def masked_softmax(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float):
-    """fp32 softmax(q k^T * scaling + mask); `mask` is an additive (eager) or boolean (sdpa) transformers mask.
-    A finite fill keeps fully masked rows NaN-free."""
+    """fp32 softmax(q k^T * scaling + mask); `mask` is transformers' additive eager mask."""
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # [B, h, T, S]
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    elif mask is not None:
+    if mask is not None:
         scores = scores + mask.float()
     return torch.softmax(scores, dim=-1)
 
@@ -123,25 +122,20 @@ def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list
     dotted with (k1 | k2) is exactly q1.k1 (or q2.k2). Otherwise V is split in d-wide chunks against k1 / k2.
     """
     q1, q2, k1, k2 = split_branches(q, k)
+    d = q.shape[-1]
     if v.shape[-1] == k.shape[-1]:
-        zeros = torch.zeros_like(q1)
-        return [[(torch.cat([q1, zeros], dim=-1), k, v)], [(torch.cat([zeros, q2], dim=-1), k, v)]]  # [B, h, T, 2d]
-    chunks = v.split(q.shape[-1], dim=-1)
+        return [[(F.pad(q1, (0, d)), k, v)], [(F.pad(q2, (d, 0)), k, v)]]  # queries [B, h, T, 2d]
+    chunks = v.split(d, dim=-1)
     return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
 
 
 def interface_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """Standard attention through transformers' attention interface (sdpa, flex, flash), once per branch."""
-    implementation = module.config._attn_implementation
-    if implementation == "sdpa" and q.shape[2] == 1:  # a decode step: kernel launches cost more than the maps
-        return eager_diff_attention(module, q, k, v, lam, attention_mask, scaling)[0], None
-    attend = ALL_ATTENTION_FUNCTIONS[implementation]
+    attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
     branch_outputs = []
     for calls in branch_calls(q, k, v):
-        if implementation == "flex_attention":  # torch's compiled CPU flex kernel misreads strided views (NaN)
-            calls = [tuple(t.contiguous() for t in call) for call in calls]
         parts = [attend(module, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
-        branch_outputs.append(torch.cat(parts, dim=-1).float())  # [B, T, h, dv]
+        branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h, dv]
     return branch_outputs[0] - lam * branch_outputs[1], None
 
 
@@ -188,9 +182,15 @@ class DiffAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * dv, hidden, bias=config.attention_out_bias)
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
+        self.use_subln = config.use_subln
         self.subln = LlamaRMSNorm(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()
-        self.output_scale = 1.0 - lambda_init if config.use_subln else 1.0
+        self.set_lambda_init(lambda_init)
         self.branch_maps: list | None = None
+
+    def set_lambda_init(self, value: float) -> None:
+        """lambda_init enters lambda and, with SubLN, the output scale 1 - lambda_init."""
+        self.lambda_params.lambda_init = value
+        self.output_scale = 1.0 - value if self.use_subln else 1.0
 
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """Project and rotate: q [B, 2h, T, d], k [B, h_kv, T, 2d] (k1 | k2 per kv head), v [B, h_kv, T, dv]."""
@@ -347,6 +347,18 @@ class DiffPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": ATTENTION_CLASSES}
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loading; a truncated or corrupt safetensors file is reported with its folder and the fix
+        (safetensors' own message names neither)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise OSError(
+                f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
+                "download them again, or re-save the model with model.save_pretrained"
+            ) from error
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, DiffLambda):
@@ -478,13 +490,18 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
 class DiffForSequenceClassification(GenericForSequenceClassification, DiffPreTrainedModel): ...
 
 
+def differential_layers(model: nn.Module) -> list[DiffAttention]:
+    """The V1 differential attention modules of a model, in layer order."""
+    return [m for m in model.modules() if isinstance(m, DiffAttention)]
+
+
 @contextmanager
 def capture_branch_attentions(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Collect (A1, A2, lambda) of every differential layer during forwards inside the block (eager only).
 
     The maps are released when the caller drops the yielded list; nothing is held between calls otherwise.
     """
-    layers = [m for m in model.modules() if isinstance(m, DiffAttention)]
+    layers = differential_layers(model)
     maps: list = []
     for layer in layers:
         layer.branch_maps = maps

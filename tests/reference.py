@@ -44,14 +44,30 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def reference_lambda(weights: dict, config: DiffConfig, layer_idx: int) -> tuple[torch.Tensor, float]:
+    """(lambda, lambda_init) of a layer: exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init."""
+    lam_init = config.lambda_init if config.lambda_init is not None else paper_lambda_init(layer_idx)
+    return torch.exp(weights["lq1"] @ weights["lk1"]) - torch.exp(weights["lq2"] @ weights["lk2"]) + lam_init, lam_init
+
+
+def reference_head_maps(xb: torch.Tensor, weights: dict, config: DiffConfig, j: int, allowed: torch.Tensor):
+    """Differential head j of one sequence xb [T, hidden]: softmax maps A1, A2 [T, T] (fully masked rows 0)."""
+    h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    theta, pos, m = config.rope_parameters["rope_theta"], torch.arange(xb.shape[0]), j // (h // h_kv)
+    q1 = rope(xb @ weights["q"][j * d : (j + 1) * d].T, pos, theta)
+    q2 = rope(xb @ weights["q"][(h + j) * d : (h + j + 1) * d].T, pos, theta)
+    k1 = rope(xb @ weights["k"][m * d : (m + 1) * d].T, pos, theta)
+    k2 = rope(xb @ weights["k"][(h_kv + m) * d : (h_kv + m + 1) * d].T, pos, theta)
+    a1 = torch.softmax((q1 @ k1.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    a2 = torch.softmax((q2 @ k2.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    return a1, a2
+
+
 def reference_diff_attention(x, weights: dict, config: DiffConfig, layer_idx: int, key_valid=None):
     """x [B, T, hidden] -> [B, T, hidden]; weights: q, k, v, o, lq1, lk1, lq2, lk2, subln (fp64 tensors)."""
-    h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
-    theta = config.rope_parameters["rope_theta"]
-    lam_init = config.lambda_init if config.lambda_init is not None else paper_lambda_init(layer_idx)
-    lam = torch.exp(weights["lq1"] @ weights["lk1"]) - torch.exp(weights["lq2"] @ weights["lk2"]) + lam_init
+    h, h_kv, dv = config.num_attention_heads, config.num_key_value_heads, config.value_head_dim
+    lam, lam_init = reference_lambda(weights, config, layer_idx)
     batch, length, _ = x.shape
-    pos = torch.arange(length)
     outputs = []
     for b in range(batch):
         allowed = torch.ones(length, length).tril().bool()
@@ -60,13 +76,8 @@ def reference_diff_attention(x, weights: dict, config: DiffConfig, layer_idx: in
         heads = []
         for j in range(h):
             m = j // (h // h_kv)
-            q1 = rope(x[b] @ weights["q"][j * d : (j + 1) * d].T, pos, theta)
-            q2 = rope(x[b] @ weights["q"][(h + j) * d : (h + j + 1) * d].T, pos, theta)
-            k1 = rope(x[b] @ weights["k"][m * d : (m + 1) * d].T, pos, theta)
-            k2 = rope(x[b] @ weights["k"][(h_kv + m) * d : (h_kv + m + 1) * d].T, pos, theta)
+            a1, a2 = reference_head_maps(x[b], weights, config, j, allowed)
             v = x[b] @ weights["v"][m * dv : (m + 1) * dv].T
-            a1 = torch.softmax((q1 @ k1.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
-            a2 = torch.softmax((q2 @ k2.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
             head = (a1 - lam * a2) @ v
             if config.use_subln:
                 head = head * torch.rsqrt(head.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)

@@ -74,6 +74,8 @@ def test_attention_noise_matches_direct_sums(tokenizer, tmp_path):
     for model in (diff, llama):
         report = attention_noise(model, tokenizer, prompt)
         positions = report["positions"]
+        answer_text = tokenizer.decode(positions["input_ids"][0][positions["answer"]]).strip()
+        assert answer_text == needle(*prompt.answers[0]), f"answer positions decode to {answer_text!r}"
         with torch.no_grad():
             maps = model(positions["input_ids"], output_attentions=True).attentions
         for i, layer_map in enumerate(maps):  # independent: sum the returned maps directly
