@@ -44,9 +44,13 @@ def train(output_dir: str, per_device_batch: int) -> dict[int, float]:
 def main() -> None:
     output_dir, per_device_batch = sys.argv[1], int(sys.argv[2])
     losses = train(output_dir, per_device_batch)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    Path(output_dir, "losses.json").write_text(json.dumps(losses))
+    rank = 0
+    if torch.distributed.is_initialized():
+        # Tear gloo down explicitly: left to interpreter exit, its threads sometimes abort the process (SIGABRT).
+        rank = torch.distributed.get_rank()
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        Path(output_dir, "losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
