@@ -22,6 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from diff_transformer import DiffConfig
 from diff_transformer.modeling_diff import (
     FUSED_IMPLEMENTATION,
+    branch_calls,
     eager_diff_attention,
     fused_diff_attention,
     interface_diff_attention,
@@ -52,6 +53,13 @@ def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype):
     v = torch.randn(batch, h_kv, seq, dv, device=DEVICE, dtype=dtype, requires_grad=True)
     lam = torch.tensor(0.5, device=DEVICE, requires_grad=True)
     return q, k, v, lam
+
+
+def two_sdpa_calls(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """sdpa's route on GPU (one torch sdpa call per branch); on CPU sdpa runs the tiled kernel instead."""
+    outs = [sdpa_attention_forward(module, *calls[0], attention_mask, scaling=scaling)[0].float()
+            for calls in branch_calls(q, k, v)]
+    return outs[0] - lam * outs[1], None
 
 
 def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: int, seq: int, dtype: torch.dtype):
@@ -121,7 +129,10 @@ def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[
     reference = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False)
     out: dict = {"standard sdpa (2h heads of d)": reference}
     out["eager"] = v1_case(config, "eager", eager_diff_attention, batch, seq, dtype)
-    out["sdpa"] = v1_case(config, "sdpa", interface_diff_attention, batch, seq, dtype)
+    out["sdpa" if CUDA else "sdpa (CPU: tiled kernel)"] = v1_case(config, "sdpa", interface_diff_attention, batch,
+                                                                 seq, dtype)
+    if not CUDA:
+        out["two torch sdpa calls (sdpa's GPU route)"] = v1_case(config, "sdpa", two_sdpa_calls, batch, seq, dtype)
     flash_ok = CUDA and importlib.util.find_spec("flash_attn") is not None
     out["flash_attention_2"] = (v1_case(config, "flash_attention_2", interface_diff_attention, batch, seq, dtype)
                                 if flash_ok else "needs CUDA and flash-attn")

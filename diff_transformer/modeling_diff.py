@@ -41,13 +41,20 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
-    repeat_kv,
 )
 from transformers.utils import can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
+from .tiled_diff_attention import (
+    branch_mask,
+    branch_probs,
+    branch_views,
+    differential_map,
+    tiled_diff_attention,
+    tiled_pays,
+)
 
 try:
     from .diff_flash_attention import diff_flash_attention, triton_available
@@ -86,17 +93,6 @@ class DiffLambda(nn.Module):
         return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
 
 
-def masked_softmax(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float):
-    """fp32 softmax(q k^T * scaling + mask); `mask` is an additive (eager) or boolean (sdpa decode) transformers
-    mask. A finite fill keeps fully masked rows NaN-free."""
-    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # [B, h, T, S]
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    elif mask is not None:
-        scores = scores + mask.float()
-    return torch.softmax(scores, dim=-1)
-
-
 def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q [B, 2h, T, d] -> q1, q2 [B, h, T, d]; packed k [B, h_kv, S, 2d] -> k1, k2 [B, h_kv, S, d] (views)."""
     h, d = q.shape[1] // 2, q.shape[-1]
@@ -104,16 +100,17 @@ def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Materialises A1 and A2; the only backend that returns the differential map A1 - lambda A2."""
-    n_rep = module.num_key_value_groups
-    q1, q2, k1, k2 = split_branches(q, k)
-    a1 = masked_softmax(q1, repeat_kv(k1, n_rep), attention_mask, scaling)
-    a2 = masked_softmax(q2, repeat_kv(k2, n_rep), attention_mask, scaling)
-    diff_map = a1 - lam * a2  # [B, h, T, S] fp32
+    """Materialises A1 and A2 in fp32 (one tile of tiled_diff_attention.py, both branches in one matmul); the only
+    backend that returns the differential map A1 - lambda A2."""
+    batch, length, keys = q.shape[0], q.shape[2], k.shape[2]
+    q6, k5 = branch_views(q.float() * scaling, k.float())
+    probs = branch_probs(q6, k5, branch_mask(attention_mask, k.shape[1]))  # [B, 2, h_kv, n_rep, T, S]
+    a1, a2 = (p.reshape(batch, -1, length, keys) for p in probs.unbind(1))  # [B, h, T, S]
     if module.branch_maps is not None:
         module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
-    out = torch.matmul(diff_map, repeat_kv(v, n_rep).float())  # [B, h, T, dv]
-    return out.transpose(1, 2), diff_map.to(q.dtype)
+    diff_map = differential_map(probs, lam)  # [B, h_kv, n_rep, T, S]
+    out = torch.matmul(diff_map, v.float().unsqueeze(2))  # [B, h_kv, n_rep, T, dv]
+    return out.flatten(1, 2).transpose(1, 2), diff_map.view(batch, -1, length, keys).to(q.dtype)
 
 
 def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
@@ -132,10 +129,30 @@ def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list
     return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
 
 
+def sdpa_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask, scaling: float):
+    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: both branches' zero-padded queries [q1, 0] and [0, q2]
+    attend the packed keys as 2h query heads grouped over the h_kv K/V heads. torch's sdpa is called directly
+    because transformers' wrapper groups h (not 2h) query heads. Returns [B, 1, h, dv] fp32."""
+    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]
+    q6 = q.reshape(batch, 2, h_kv, -1, 1, d)  # [B, branch, h_kv, n_rep, 1, d]
+    padded = torch.stack([F.pad(q6[:, 0], (0, d)), F.pad(q6[:, 1], (d, 0))], dim=2)  # [B, h_kv, branch, n_rep, 1, 2d]
+    out = F.scaled_dot_product_attention(padded.flatten(1, 3), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    out = out.float().view(batch, h_kv, 2, -1, dv)  # [B, h_kv, branch, n_rep, dv]
+    return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1).view(batch, 1, -1, dv)
+
+
 def interface_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Standard attention through transformers' attention interface (sdpa, flex, flash), once per branch."""
-    if module.config._attn_implementation == "sdpa" and q.shape[2] == 1:  # decode step: ~10 small ops beat 2 sdpa
-        return eager_diff_attention(module, q, k, v, lam, attention_mask, scaling)[0], None  # calls (~2.5%/step)
+    """Standard attention through transformers' attention interface (sdpa, flex, flash), once per branch.
+
+    With sdpa, a decode step (T = 1) is one call for both branches (`sdpa_decode_step`), and on CPU long inputs
+    run `tiled_diff_attention` where it pays (`tiled_pays`): torch's CPU flash kernel needs equal q/k/v widths, so
+    two calls cost 2x Llama's attention FLOPs where the tiled kernel needs 1x (benchmarks/RESULTS.md).
+    """
+    if module.config._attn_implementation == "sdpa":
+        if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
+            return sdpa_decode_step(q, k, v, lam, attention_mask, scaling), None
+        if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_pays(q)):
+            return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
     attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
     branch_outputs = []
     for calls in branch_calls(q, k, v):

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, StaticCache
 from diff_transformer import DiffForCausalLM
 from diff_transformer import modeling_diff
 from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.tiled_diff_attention import tiled_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
@@ -114,6 +115,27 @@ def test_loss_and_all_gradients_match_eager(backend, dtype, heads, padded):
     assert_close(loss, ref_loss, dtype, f"{backend} loss")
     for name, grad in ref_grads.items():
         assert_close(grads[name], grad, dtype, f"{backend} d{name}")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the tiled route is sdpa's on CPU")
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_sdpa_tiled_cpu_route_matches_eager(monkeypatch, heads, padded):
+    """B2-T160-H2-D64, 1 layer: long enough for sdpa's CPU route to take the tiled kernel (two tiles); loss,
+    logits and every parameter gradient vs eager."""
+    calls = []
+    monkeypatch.setattr(modeling_diff, "tiled_diff_attention",
+                        lambda *args: calls.append(args[0].shape) or tiled_diff_attention(*args))
+    tokens, mask = batch_and_mask(padded, length=160)
+    results = {name: loss_and_grads(build(name, hidden_size=256, **HEADS[heads]).train(), tokens, mask)
+               for name in ("eager", "sdpa")}
+    assert calls, "sdpa did not take the tiled route"
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["sdpa"], results["eager"]
+    rows = mask.bool()
+    assert_close(logits[rows], ref_logits[rows], torch.float32, "tiled sdpa logits")
+    assert_close(loss, ref_loss, torch.float32, "tiled sdpa loss")
+    for name, grad in ref_grads.items():
+        assert_close(grads[name], grad, torch.float32, f"tiled sdpa d{name}")
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])

@@ -47,7 +47,7 @@ def prepared(tmp_path_factory):
 def test_dry_run_writes_code_and_auto_map(prepared):
     folder, result = prepared
     assert "dry run" in result.stdout and "REMOTE_OK" in result.stdout
-    for name in ("modeling_diff.py", "configuration_diff.py", "diff_flash_attention.py"):
+    for name in ("modeling_diff.py", "configuration_diff.py", "diff_flash_attention.py", "tiled_diff_attention.py"):
         assert (folder / name).is_file(), name
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"

@@ -1,0 +1,157 @@
+"""Tiled differential attention in plain torch ops (Ye et al., "Differential Transformer", arXiv 2410.05258).
+
+Both branches of a tile of query rows share one batched matmul, one softmax and one product with V:
+
+    P_b  = softmax(Q_b K_b^T / sqrt(d) + mask)     b = 1, 2    [B, 2, h_kv, n_rep, rows, keys]
+    out  = (P_1 - lambda P_2) V                                [B, h_kv, n_rep, rows, dv]
+
+so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
+of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
+Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v and recomputes each tile's
+maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps. On CPU this is the fastest
+exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as one tile.
+
+Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
+(k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv` without repeat_kv copies.
+A mask of None means causal with the queries as the last T of the S keys.
+"""
+
+from collections.abc import Iterator
+
+import torch
+
+TILE_ROWS = 128  # query rows per tile; fastest fwd+bwd at B2-T1024-H4-D64 on a 2-core AVX2 CPU (64, 96, 160 slower)
+
+
+def tiled_pays(q: torch.Tensor) -> bool:
+    """Whether the tiled kernel beats two torch sdpa calls on CPU: it needs causal tiles to skip (T > TILE_ROWS)
+    and d >= 64 (at d <= 32 the padded query's wasted half costs little). fwd+bwd vs two calls, 2-core AVX2 CPU:
+    0.70x at B4-T256-H4-D64, 0.48x at B2-T512-H4-D64, 0.68x at B2-T1024-H4-D64, 0.76x at B1-T2048-H8-D64, but
+    2.2x at B16-T128-H2-D16 (one tile) and 1.0x at B1-T1024-H4-D16."""
+    return q.shape[2] > TILE_ROWS and q.shape[-1] >= 64
+
+
+def branch_views(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, 2h, T, d] -> [B, 2, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> [B, 2, h_kv, S, d] (views)."""
+    batch, _, length, d = q.shape
+    h_kv, keys = k.shape[1], k.shape[2]
+    return q.view(batch, 2, h_kv, -1, length, d), k.view(batch, h_kv, keys, 2, d).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
+    """A transformers mask [B, 1 | h, T, S] -> [B, 1, 1 | h_kv, 1 | n_rep, T, S], broadcastable to the maps."""
+    if mask is None or mask.shape[1] == 1:
+        return None if mask is None else mask[:, None, :, None]
+    batch, _, length, keys = mask.shape
+    return mask.reshape(batch, 1, h_kv, -1, length, keys)
+
+
+def branch_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Both softmax maps of a tile: pre-scaled q [B, 2, h_kv, n_rep, t, d], k [B, 2, h_kv, e, d] ->
+    [B, 2, h_kv, n_rep, t, e]. `mask`: boolean or additive, or None (causal: the last t keys are the rows' own).
+    Masked scores get a finite fill, so fully masked rows give a uniform map instead of NaN."""
+    batch, _, h_kv, n_rep, rows, d = q.shape
+    scores = torch.matmul(q.reshape(batch, 2, h_kv, n_rep * rows, d), k.transpose(-1, -2))
+    scores = scores.view(batch, 2, h_kv, n_rep, rows, -1)  # [B, 2, h_kv, n_rep, t, e]
+    fill = torch.finfo(scores.dtype).min
+    if mask is None and rows > 1:
+        scores[..., -rows:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1), fill)
+    elif mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, fill)
+    elif mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
+    """(first row, end row, number of keys the tile can see) per tile; queries are the last `length` keys."""
+    offset = keys - length
+    for start in range(0, length, rows):
+        stop = min(start + rows, length)
+        yield start, stop, offset + stop
+
+
+def differential_map(probs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """P [B, 2, h_kv, n_rep, t, e] -> P_1 - lambda P_2 [B, h_kv, n_rep, t, e]."""
+    return torch.addcmul(probs[:, 0], probs[:, 1], lam, value=-1)
+
+
+def tile_probs(q, k, mask, start: int, stop: int, keys: int) -> torch.Tensor:
+    """Both maps of query rows start..stop against the first `keys` keys: [B, 2, h_kv, n_rep, t, keys]."""
+    tile_mask = None if mask is None else mask[..., start:stop, :keys]
+    return branch_probs(q[..., start:stop, :], k[..., :keys, :], tile_mask)
+
+
+def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
+    """[B, h_kv, n_rep, T, dv]: the differential attention output, tile by tile."""
+    q6, k5 = branch_views(q * scaling, k)
+    mask6, v5 = branch_mask(mask, k.shape[1]), v.contiguous().unsqueeze(2)  # v [B, h_kv, 1, S, dv]
+    if q.shape[2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
+        return torch.matmul(differential_map(branch_probs(q6, k5, mask6), lam), v5)
+    outs = [
+        torch.matmul(differential_map(tile_probs(q6, k5, mask6, start, stop, keys), lam), v5[..., :keys, :])
+        for start, stop, keys in tiles(q.shape[2], k.shape[2], rows)
+    ]
+    return torch.cat(outs, dim=-2)
+
+
+class TiledDiffAttention(torch.autograd.Function):
+    """`tiled_forward` with a recomputing backward. Per tile, with dM = dO V^T (shared by both branches):
+    dV += M^T dO, dlambda -= <dM, P_2>, dS_1 = softmax'(dM), dS_2 = -lambda softmax'(dM); the -lambda and the
+    scaling are applied once to the accumulated dq and dk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, mask, scaling: float, rows: int):
+        ctx.save_for_backward(q, k, v, lam, mask)
+        ctx.scaling, ctx.rows = scaling, rows
+        return tiled_forward(q, k, v, lam, mask, scaling, rows)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, lam, mask = ctx.saved_tensors
+        grad_out, v = grad_out.float(), v.contiguous()  # contiguous: per-tile slices fold into one bmm batch
+        q6, k5 = branch_views(q * ctx.scaling, k)
+        batch, _, h_kv, n_rep, length, d = q6.shape
+        mask6 = branch_mask(mask, h_kv)
+        dq6 = torch.empty(q6.shape, device=q.device)
+        dk3 = torch.zeros(batch * 2 * h_kv, k.shape[2], d, device=q.device)  # [B * 2 * h_kv, S, d]
+        dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=q.device)  # [B * h_kv, S, dv]
+        dlam = torch.zeros_like(lam)
+        for start, stop, keys in tiles(length, k.shape[2], ctx.rows):
+            rows = n_rep * (stop - start)
+            probs = tile_probs(q6, k5, mask6, start, stop, keys)
+            diff_map = differential_map(probs, lam)
+            grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
+            dv3[:, :keys].baddbmm_(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv3.shape[-1]))
+            d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2))  # [B, h_kv, n_rep, t, e]
+            dlam -= (d_map * probs[:, 1]).sum()
+            d_scores = torch._softmax_backward_data(d_map.unsqueeze(1).expand_as(probs), probs, -1, probs.dtype)
+            if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
+                d_scores = d_scores.masked_fill(~mask6[..., start:stop, :keys], 0)
+            d_scores = d_scores.view(-1, rows, keys)  # [B * 2 * h_kv, n_rep * t, e]
+            dq6[..., start:stop, :] = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d)).view(
+                batch, 2, h_kv, n_rep, -1, d)
+            dk3[:, :keys].baddbmm_(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d))
+        sign = torch.stack([torch.ones_like(lam), -lam]).view(1, 2, 1, 1, 1)  # branch 2 enters as -lambda P_2
+        dq = (dq6 * (sign * ctx.scaling).unsqueeze(-1)).view(q.shape)
+        dk = (dk3.view(batch, 2, h_kv, -1, d) * sign).permute(0, 2, 3, 1, 4).reshape(k.shape)
+        return dq, dk, dv3.view(v.shape), dlam, None, None, None
+
+
+def tiled_diff_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    rows: int = TILE_ROWS,
+) -> torch.Tensor:
+    """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring)."""
+    if torch.is_autocast_enabled(q.device.type):  # fp32 throughout, also under mixed precision
+        with torch.autocast(q.device.type, enabled=False):
+            return tiled_diff_attention(q, k, v, lam, mask, scaling, rows)
+    length = q.shape[2]
+    if mask is None and length > 1:  # sdpa's skipped mask is top-left causal: a static cache's empty slots go
+        k, v = k[:, :, :length], v[:, :, :length]
+    q, k, v = q.float(), k.float(), v.float()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)):
+        out = TiledDiffAttention.apply(q, k, v, lam, mask, scaling, rows)
+    else:
+        out = tiled_forward(q, k, v, lam, mask, scaling, rows)
+    return out.flatten(1, 2).transpose(1, 2)  # [B, h_kv, n_rep, T, dv] -> [B, T, h, dv]
