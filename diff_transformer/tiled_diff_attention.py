@@ -154,4 +154,4 @@ def tiled_diff_attention(
         out = TiledDiffAttention.apply(q, k, v, lam, mask, scaling, rows)
     else:
         out = tiled_forward(q, k, v, lam, mask, scaling, rows)
-    return out.flatten(1, 2).transpose(1, 2)  # [B, h_kv, n_rep, T, dv] -> [B, T, h, dv]
+    return out.flatten(1, 2).transpose(1, 2).contiguous()  # [B, h_kv, n_rep, T, dv] -> [B, T, h, dv], as SubLN reads it

@@ -327,3 +327,27 @@ def test_fully_padded_rows_give_no_nan(backend):
     assert torch.isfinite(out.logits).all(), "NaN/inf in logits of a fully padded row"
     for name, param in model.named_parameters():
         assert torch.isfinite(param.grad).all(), f"NaN/inf in grad of {name}"
+
+
+def test_subln_backward_matches_autograd_of_the_formula():
+    """SubLN's hand-written backward vs autograd through scale * weight * x / sqrt(mean(x^2) + eps), in fp64
+    (B2-T5-H3-D8), plus torch's numerical gradcheck."""
+    from diff_transformer.modeling_diff import SubLNFunction, SubLNRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = (1 + 0.3 * torch.randn(8, generator=gen, dtype=torch.float64)).requires_grad_()
+    grad_out = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64)
+    ours = SubLNRMSNorm(8, eps=1e-6).double()
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+    got = ours(x, 0.7)
+    expected = 0.7 * weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    got_grads = torch.autograd.grad(got, (x, ours.weight), grad_out)
+    expected_grads = torch.autograd.grad(expected, (x, weight), grad_out)
+    for name, a, b in zip(("out", "dx", "dweight"), (got, *got_grads), (expected, *expected_grads)):
+        diff = (a - b).abs()
+        assert diff.max() < 1e-12, f"{name}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
+    with torch.no_grad():
+        assert torch.equal(ours(x, 0.7), got.detach()), "the no-grad path differs from the autograd path"
+    assert torch.autograd.gradcheck(lambda a, w: SubLNFunction.apply(a, w, 0.7, 1e-6), (x, weight))
