@@ -70,8 +70,7 @@ FUSED_IMPLEMENTATION = "diff_flash"
 
 def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
     """Paper eq. (1): lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32."""
-    q1, k1, q2, k2 = (p.float() for p in (q1, k1, q2, k2))
-    return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + lambda_init
+    return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init
 
 
 class DiffLambda(nn.Module):
@@ -177,13 +176,16 @@ def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list
 
 
 def sdpa_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask, scaling: float):
-    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: both branches' zero-padded queries [q1, 0] and [0, q2]
-    attend the packed keys as 2h query heads grouped over the h_kv K/V heads. torch's sdpa is called directly
-    because transformers' wrapper groups h (not 2h) query heads. Returns [B, 1, h, dv] fp32."""
+    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: per kv head, both branches' zero-padded queries [q1, 0]
+    and [0, q2] of its n_rep heads attend the packed keys as 2 n_rep query rows (a decode step's single row sees
+    every key, and its [B, 1, 1, S] mask broadcasts over the rows). torch's sdpa is called directly because
+    transformers' wrapper expects h query heads of one row. Returns [B, 1, h, dv] fp32."""
     batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]
-    q6 = q.reshape(batch, 2, h_kv, -1, 1, d)  # [B, branch, h_kv, n_rep, 1, d]
-    padded = torch.stack([F.pad(q6[:, 0], (0, d)), F.pad(q6[:, 1], (d, 0))], dim=2)  # [B, h_kv, branch, n_rep, 1, 2d]
-    out = F.scaled_dot_product_attention(padded.flatten(1, 3), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    q5 = q.reshape(batch, 2, h_kv, -1, d).transpose(1, 2)  # [B, h_kv, branch, n_rep, d]
+    padded = q.new_zeros(*q5.shape[:-1], 2, d)  # [B, h_kv, branch, n_rep, half, d]
+    padded.diagonal(dim1=2, dim2=-2).copy_(q5.movedim(2, -1))  # query of branch b in half b: [q1, 0] and [0, q2]
+    padded = padded.view(batch, h_kv, -1, 2 * d)  # [B, h_kv, 2 n_rep, 2d], rows ordered (branch, n_rep)
+    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=mask, scale=scaling)  # [B, h_kv, 2 n_rep, dv]
     out = out.float().view(batch, h_kv, 2, -1, dv)  # [B, h_kv, branch, n_rep, dv]
     return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1).view(batch, 1, -1, dv)
 
