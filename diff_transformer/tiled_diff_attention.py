@@ -46,8 +46,8 @@ def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
     return mask.reshape(batch, 1, h_kv, -1, length, keys)
 
 
-def branch_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Both softmax maps of a tile: pre-scaled q [B, 2, h_kv, n_rep, t, d], k [B, 2, h_kv, e, d] ->
+def branch_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Both masked score maps of a tile: pre-scaled q [B, 2, h_kv, n_rep, t, d], k [B, 2, h_kv, e, d] ->
     [B, 2, h_kv, n_rep, t, e]. `mask`: boolean or additive, or None (causal: the last t keys are the rows' own).
     Masked scores get a finite fill, so fully masked rows give a uniform map instead of NaN."""
     batch, _, h_kv, n_rep, rows, d = q.shape
@@ -57,10 +57,24 @@ def branch_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) ->
     if mask is None and rows > 1:
         scores[..., -rows:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1), fill)
     elif mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, fill)
+        scores.masked_fill_(~mask, fill)
     elif mask is not None:
-        scores = scores + mask
-    return torch.softmax(scores, dim=-1)
+        scores.add_(mask)
+    return scores
+
+
+def branch_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Both softmax maps of a tile, [B, 2, h_kv, n_rep, t, e] (arguments as `branch_scores`)."""
+    return torch.softmax(branch_scores(q, k, mask), dim=-1)
+
+
+def scores_grad(d_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax backward of both branches, which share dM = dO V^T [B, h_kv, n_rep, t, e] (branch 2's -lambda is
+    applied by the caller): dS_b = P_b dM - P_b rowsum(P_b dM), in one map-sized tensor; also the row sums
+    [B, 2, h_kv, n_rep, t, 1], whose branch-2 total is -dL/dlambda."""
+    products = probs * d_map.unsqueeze(1)  # [B, 2, h_kv, n_rep, t, e]
+    row_sums = products.sum(-1, keepdim=True)
+    return products.addcmul_(probs, row_sums, value=-1), row_sums
 
 
 def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
@@ -77,9 +91,13 @@ def differential_map(probs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
 
 
 def tile_probs(q, k, mask, start: int, stop: int, keys: int) -> torch.Tensor:
-    """Both maps of query rows start..stop against the first `keys` keys: [B, 2, h_kv, n_rep, t, keys]."""
+    """Both maps of query rows start..stop against the first `keys` keys: [B, 2, h_kv, n_rep, t, keys].
+
+    Outside autograd only: the softmax overwrites the scores, so a tile allocates one map-sized tensor (fresh
+    multi-MiB tensors are costly on CPU: each 4 KiB page faults on first touch)."""
     tile_mask = None if mask is None else mask[..., start:stop, :keys]
-    return branch_probs(q[..., start:stop, :], k[..., :keys, :], tile_mask)
+    scores = branch_scores(q[..., start:stop, :], k[..., :keys, :], tile_mask)
+    return torch.softmax(scores, dim=-1, out=scores)
 
 
 def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
@@ -88,10 +106,11 @@ def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor
     mask6, v5 = branch_mask(mask, k.shape[1]), v.contiguous().unsqueeze(2)  # v [B, h_kv, 1, S, dv]
     if q.shape[2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
         return torch.matmul(differential_map(branch_probs(q6, k5, mask6), lam), v5)
-    outs = [
-        torch.matmul(differential_map(tile_probs(q6, k5, mask6, start, stop, keys), lam), v5[..., :keys, :])
-        for start, stop, keys in tiles(q.shape[2], k.shape[2], rows)
-    ]
+    outs = []
+    for start, stop, keys in tiles(q.shape[2], k.shape[2], rows):
+        probs = tile_probs(q6, k5, mask6, start, stop, keys)
+        diff_map = probs[:, 0].addcmul_(probs[:, 1], lam, value=-1)  # P_1 - lambda P_2, in place
+        outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
     return torch.cat(outs, dim=-2)
 
 
@@ -123,11 +142,11 @@ class TiledDiffAttention(torch.autograd.Function):
             diff_map = differential_map(probs, lam)
             grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
             dv3[:, :keys].baddbmm_(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv3.shape[-1]))
-            d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2))  # [B, h_kv, n_rep, t, e]
-            dlam -= (d_map * probs[:, 1]).sum()
-            d_scores = torch._softmax_backward_data(d_map.unsqueeze(1).expand_as(probs), probs, -1, probs.dtype)
+            d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
+            d_scores, row_sums = scores_grad(d_map, probs)
+            dlam -= row_sums[:, 1].sum()
             if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
-                d_scores = d_scores.masked_fill(~mask6[..., start:stop, :keys], 0)
+                d_scores.masked_fill_(~mask6[..., start:stop, :keys], 0)
             d_scores = d_scores.view(-1, rows, keys)  # [B * 2 * h_kv, n_rep * t, e]
             dq6[..., start:stop, :] = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d)).view(
                 batch, 2, h_kv, n_rep, -1, d)
