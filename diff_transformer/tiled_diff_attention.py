@@ -2,7 +2,7 @@
 
 Both branches of a tile of query rows share one batched matmul, one softmax and one product with V:
 
-    P_b  = softmax(Q_b K_b^T / sqrt(d) + mask)     b = 1, 2    [B, 2, h_kv, n_rep, rows, keys]
+    P_b  = softmax(Q_b K_b^T / sqrt(d) + mask)     b = 1, 2    [2, B, h_kv, n_rep, rows, keys]
     out  = (P_1 - lambda P_2) V                                [B, h_kv, n_rep, rows, dv]
 
 so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
@@ -31,28 +31,31 @@ def tiled_pays(q: torch.Tensor) -> bool:
     return q.shape[2] > TILE_ROWS and q.shape[-1] >= 64
 
 
-def branch_views(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, 2h, T, d] -> [B, 2, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> [B, 2, h_kv, S, d] (views)."""
+def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, 2h, T, d] -> scaling * q as [2, B, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> [2, B, h_kv, S, d].
+    Branch first and contiguous, so each branch's maps are one contiguous block (no copies per tile)."""
     batch, _, length, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
-    return q.view(batch, 2, h_kv, -1, length, d), k.view(batch, h_kv, keys, 2, d).permute(0, 3, 1, 2, 4).contiguous()
+    q6 = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
+    k5 = k.view(batch, h_kv, keys, 2, d).permute(3, 0, 1, 2, 4)  # [2, B, h_kv, S, d]
+    return q6.clone(memory_format=torch.contiguous_format).mul_(scaling), k5.contiguous()
 
 
 def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
-    """A transformers mask [B, 1 | h, T, S] -> [B, 1, 1 | h_kv, 1 | n_rep, T, S], broadcastable to the maps."""
+    """A transformers mask [B, 1 | h, T, S] -> [B, 1 | h_kv, 1 | n_rep, T, S], broadcastable to the maps."""
     if mask is None or mask.shape[1] == 1:
-        return None if mask is None else mask[:, None, :, None]
+        return None if mask is None else mask[:, :, None]
     batch, _, length, keys = mask.shape
-    return mask.reshape(batch, 1, h_kv, -1, length, keys)
+    return mask.reshape(batch, h_kv, -1, length, keys)
 
 
 def branch_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Both masked score maps of a tile: pre-scaled q [B, 2, h_kv, n_rep, t, d], k [B, 2, h_kv, e, d] ->
-    [B, 2, h_kv, n_rep, t, e]. `mask`: boolean or additive, or None (causal: the last t keys are the rows' own).
+    """Both masked score maps of a tile: pre-scaled q [2, B, h_kv, n_rep, t, d], k [2, B, h_kv, e, d] ->
+    [2, B, h_kv, n_rep, t, e]. `mask`: boolean or additive, or None (causal: the last t keys are the rows' own).
     Masked scores get a finite fill, so fully masked rows give a uniform map instead of NaN."""
-    batch, _, h_kv, n_rep, rows, d = q.shape
-    scores = torch.matmul(q.reshape(batch, 2, h_kv, n_rep * rows, d), k.transpose(-1, -2))
-    scores = scores.view(batch, 2, h_kv, n_rep, rows, -1)  # [B, 2, h_kv, n_rep, t, e]
+    _, batch, h_kv, n_rep, rows, d = q.shape
+    scores = torch.matmul(q.reshape(2, batch, h_kv, n_rep * rows, d), k.transpose(-1, -2))
+    scores = scores.view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
     fill = torch.finfo(scores.dtype).min
     if mask is None and rows > 1:
         scores[..., -rows:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1), fill)
@@ -64,15 +67,15 @@ def branch_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -
 
 
 def branch_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Both softmax maps of a tile, [B, 2, h_kv, n_rep, t, e] (arguments as `branch_scores`)."""
+    """Both softmax maps of a tile, [2, B, h_kv, n_rep, t, e] (arguments as `branch_scores`)."""
     return torch.softmax(branch_scores(q, k, mask), dim=-1)
 
 
 def scores_grad(d_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax backward of both branches, which share dM = dO V^T [B, h_kv, n_rep, t, e] (branch 2's -lambda is
     applied by the caller): dS_b = P_b dM - P_b rowsum(P_b dM), in one map-sized tensor; also the row sums
-    [B, 2, h_kv, n_rep, t, 1], whose branch-2 total is -dL/dlambda."""
-    products = probs * d_map.unsqueeze(1)  # [B, 2, h_kv, n_rep, t, e]
+    [2, B, h_kv, n_rep, t, 1], whose branch-2 total is -dL/dlambda."""
+    products = probs * d_map  # [2, B, h_kv, n_rep, t, e]
     row_sums = products.sum(-1, keepdim=True)
     return products.addcmul_(probs, row_sums, value=-1), row_sums
 
@@ -86,12 +89,12 @@ def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
 
 
 def differential_map(probs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """P [B, 2, h_kv, n_rep, t, e] -> P_1 - lambda P_2 [B, h_kv, n_rep, t, e]."""
-    return torch.addcmul(probs[:, 0], probs[:, 1], lam, value=-1)
+    """P [2, B, h_kv, n_rep, t, e] -> P_1 - lambda P_2 [B, h_kv, n_rep, t, e]."""
+    return torch.addcmul(probs[0], probs[1], lam, value=-1)
 
 
 def tile_probs(q, k, mask, start: int, stop: int, keys: int) -> torch.Tensor:
-    """Both maps of query rows start..stop against the first `keys` keys: [B, 2, h_kv, n_rep, t, keys].
+    """Both maps of query rows start..stop against the first `keys` keys: [2, B, h_kv, n_rep, t, keys].
 
     Outside autograd only: the softmax overwrites the scores, so a tile allocates one map-sized tensor (fresh
     multi-MiB tensors are costly on CPU: each 4 KiB page faults on first touch)."""
@@ -102,14 +105,14 @@ def tile_probs(q, k, mask, start: int, stop: int, keys: int) -> torch.Tensor:
 
 def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
     """[B, h_kv, n_rep, T, dv]: the differential attention output, tile by tile."""
-    q6, k5 = branch_views(q * scaling, k)
+    q6, k5 = branch_views(q, k, scaling)
     mask6, v5 = branch_mask(mask, k.shape[1]), v.contiguous().unsqueeze(2)  # v [B, h_kv, 1, S, dv]
     if q.shape[2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
         return torch.matmul(differential_map(branch_probs(q6, k5, mask6), lam), v5)
     outs = []
     for start, stop, keys in tiles(q.shape[2], k.shape[2], rows):
         probs = tile_probs(q6, k5, mask6, start, stop, keys)
-        diff_map = probs[:, 0].addcmul_(probs[:, 1], lam, value=-1)  # P_1 - lambda P_2, in place
+        diff_map = probs[0].addcmul_(probs[1], lam, value=-1)  # P_1 - lambda P_2, in place
         outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
     return torch.cat(outs, dim=-2)
 
@@ -129,11 +132,11 @@ class TiledDiffAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, lam, mask = ctx.saved_tensors
         grad_out, v = grad_out.float(), v.contiguous()  # contiguous: per-tile slices fold into one bmm batch
-        q6, k5 = branch_views(q * ctx.scaling, k)
-        batch, _, h_kv, n_rep, length, d = q6.shape
+        q6, k5 = branch_views(q, k, ctx.scaling)
+        _, batch, h_kv, n_rep, length, d = q6.shape
         mask6 = branch_mask(mask, h_kv)
         dq6 = torch.empty(q6.shape, device=q.device)
-        dk3 = torch.zeros(batch * 2 * h_kv, k.shape[2], d, device=q.device)  # [B * 2 * h_kv, S, d]
+        dk3 = torch.zeros(2 * batch * h_kv, k.shape[2], d, device=q.device)  # [2 * B * h_kv, S, d]
         dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=q.device)  # [B * h_kv, S, dv]
         dlam = torch.zeros_like(lam)
         for start, stop, keys in tiles(length, k.shape[2], ctx.rows):
@@ -144,16 +147,16 @@ class TiledDiffAttention(torch.autograd.Function):
             dv3[:, :keys].baddbmm_(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv3.shape[-1]))
             d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
             d_scores, row_sums = scores_grad(d_map, probs)
-            dlam -= row_sums[:, 1].sum()
+            dlam -= row_sums[1].sum()
             if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
                 d_scores.masked_fill_(~mask6[..., start:stop, :keys], 0)
-            d_scores = d_scores.view(-1, rows, keys)  # [B * 2 * h_kv, n_rep * t, e]
+            d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]
             dq6[..., start:stop, :] = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d)).view(
-                batch, 2, h_kv, n_rep, -1, d)
+                2, batch, h_kv, n_rep, -1, d)
             dk3[:, :keys].baddbmm_(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d))
-        sign = torch.stack([torch.ones_like(lam), -lam]).view(1, 2, 1, 1, 1)  # branch 2 enters as -lambda P_2
-        dq = (dq6 * (sign * ctx.scaling).unsqueeze(-1)).view(q.shape)
-        dk = (dk3.view(batch, 2, h_kv, -1, d) * sign).permute(0, 2, 3, 1, 4).reshape(k.shape)
+        sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
+        dq = (dq6 * (sign * ctx.scaling).unsqueeze(-1)).transpose(0, 1).reshape(q.shape)
+        dk = (dk3.view(2, batch, h_kv, -1, d) * sign).permute(1, 2, 3, 0, 4).reshape(k.shape)
         return dq, dk, dv3.view(v.shape), dlam, None, None, None
 
 
