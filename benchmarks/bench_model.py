@@ -88,9 +88,17 @@ def measure_times(args: argparse.Namespace) -> dict:
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
     return {
         n: dict(params=params[n], train_tok_s=args.batch * args.seq / statistics.median(train[n]),
-                decode_tok_s=args.new_tokens / statistics.median(decode[n]))
+                decode_tok_s=args.new_tokens / statistics.median(decode[n]),
+                train_ratios=paired_ratios(train[n], train.get("diff-sdpa")),
+                decode_ratios=paired_ratios(decode[n], decode.get("diff-sdpa")))
         for n in models
     }
+
+
+def paired_ratios(times: list[float], base_times: list[float] | None) -> list[float]:
+    """DIFF-sdpa's speed over the row's, round by round (time of the row / time of DIFF-sdpa in the same round):
+    a slow spell of the machine then hits both sides of a ratio instead of shifting one model's median."""
+    return [t / b for t, b in zip(times, base_times)] if base_times else []
 
 
 def peak_memory(name: str, args: argparse.Namespace) -> float:
@@ -150,25 +158,34 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def ratio_cell(ratios: list[float]) -> str:
+    """Median of the per-round ratios, with their range."""
+    if not ratios:
+        return "n/a"
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
-    base = results.get("diff-sdpa")
     lines = [
         f"hidden {args.hidden}, {args.layers} layers, seq {args.seq}, batch {args.batch}, decode {args.new_tokens} "
         f"tokens after a {args.prompt_len}-token prompt, device {args.device}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, median of {args.repeats}",
         "",
         "| model | params (M) | train tok/s | decode tok/s | peak MiB (over import baseline) "
-        "| DIFF-sdpa train ratio | DIFF-sdpa decode ratio |",
+        "| DIFF-sdpa / row, train (range) | DIFF-sdpa / row, decode (range) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['params'] / 1e6:.2f} | {r['train_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
-            f"{memory.get(name, float('nan')):.0f} | {base['train_tok_s'] / r['train_tok_s']:.3f} | "
-            f"{base['decode_tok_s'] / r['decode_tok_s']:.3f} |"
+            f"{memory.get(name, float('nan')):.0f} | {ratio_cell(r['train_ratios'])} | "
+            f"{ratio_cell(r['decode_ratios'])} |"
         )
     lines.append("")
-    lines.append("Ratios are DIFF-sdpa throughput divided by the row's throughput (>1: DIFF-sdpa is faster).")
+    lines.append(
+        "Ratios are DIFF-sdpa throughput divided by the row's throughput (>1: DIFF-sdpa is faster): the median over "
+        "rounds of the ratio within each round, with the range over rounds; tok/s are medians over rounds."
+    )
     return "\n".join(lines)
 
 
