@@ -33,12 +33,13 @@ def tiled_pays(q: torch.Tensor) -> bool:
 
 def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, 2h, T, d] -> scaling * q as [2, B, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> [2, B, h_kv, S, d].
-    Branch first and contiguous, so each branch's maps are one contiguous block (no copies per tile)."""
+    fp32, branch first and contiguous (one copy each), so each branch's maps are one contiguous block."""
     batch, _, length, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
     q6 = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
     k5 = k.view(batch, h_kv, keys, 2, d).permute(3, 0, 1, 2, 4)  # [2, B, h_kv, S, d]
-    return q6.clone(memory_format=torch.contiguous_format).mul_(scaling), k5.contiguous()
+    q6 = q6.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(scaling)  # copy: q is kept
+    return q6, k5.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
@@ -88,9 +89,9 @@ def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
         yield start, stop, offset + stop
 
 
-def differential_map(probs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """P [2, B, h_kv, n_rep, t, e] -> P_1 - lambda P_2 [B, h_kv, n_rep, t, e]."""
-    return torch.addcmul(probs[0], probs[1], lam, value=-1)
+def differential_map(probs: torch.Tensor, lam: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """P [2, B, h_kv, n_rep, t, e] -> P_1 - lambda P_2 [B, h_kv, n_rep, t, e]; `out=probs[0]` overwrites P_1."""
+    return torch.addcmul(probs[0], probs[1], lam, value=-1, out=out)
 
 
 def tile_probs(q, k, mask, start: int, stop: int, keys: int) -> torch.Tensor:
@@ -112,7 +113,7 @@ def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor
     outs = []
     for start, stop, keys in tiles(q.shape[2], k.shape[2], rows):
         probs = tile_probs(q6, k5, mask6, start, stop, keys)
-        diff_map = probs[0].addcmul_(probs[1], lam, value=-1)  # P_1 - lambda P_2, in place
+        diff_map = differential_map(probs, lam, out=probs[0])
         outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
     return torch.cat(outs, dim=-2)
 
