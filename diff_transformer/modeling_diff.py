@@ -149,8 +149,8 @@ def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     """Materialises A1 and A2 in fp32 (one tile of tiled_diff_attention.py, both branches in one matmul); the only
     backend that returns the differential map A1 - lambda A2."""
     batch, length, keys = q.shape[0], q.shape[2], k.shape[2]
-    q6, k5 = branch_views(q, k, scaling)
-    probs = branch_probs(q6, k5, branch_mask(attention_mask, k.shape[1]))  # [2, B, h_kv, n_rep, T, S]
+    q6, kt5 = branch_views(q, k, scaling)
+    probs = branch_probs(q6, kt5, branch_mask(attention_mask, k.shape[1]))  # [2, B, h_kv, n_rep, T, S]
     a1, a2 = (p.reshape(batch, -1, length, keys) for p in probs.unbind(0))  # [B, h, T, S]
     if module.branch_maps is not None:
         module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
