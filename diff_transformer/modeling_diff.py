@@ -84,12 +84,35 @@ class DiffLambda(nn.Module):
         self.k1 = nn.Parameter(torch.zeros(head_dim))
         self.q2 = nn.Parameter(torch.zeros(head_dim))
         self.k2 = nn.Parameter(torch.zeros(head_dim))
+        self.frozen: torch.Tensor | None = None  # set only inside `frozen_lambdas`
 
     def forward(self) -> torch.Tensor:
+        if self.frozen is not None:
+            return self.frozen
         return compute_lambda(self.q1, self.k1, self.q2, self.k2, self.lambda_init)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
+
+
+@contextmanager
+def frozen_lambdas(model: nn.Module) -> Iterator[None]:
+    """Compute each layer's lambda once for the block instead of once per layer and forward.
+
+    For `generate`, where the weights are fixed: a batch-1 CPU decode step is bound by per-op overhead, and lambda
+    costs 6 ops per layer and step. Not a cache keyed on the parameters: in-place writes through `.data` (DeepSpeed,
+    EMA code) leave no trace on them, so only a block that cannot change the weights may skip the recomputation.
+    """
+    modules = [m for m in model.modules() if isinstance(m, DiffLambda)]
+    outer = [m.frozen for m in modules]  # nested blocks (assisted generation) keep the outer block's values
+    with torch.no_grad():
+        for module in modules:
+            module.frozen = module()
+    try:
+        yield
+    finally:
+        for module, frozen in zip(modules, outer):
+            module.frozen = frozen
 
 
 def sub_ln(x: torch.Tensor, weight: torch.Tensor, scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -522,6 +545,11 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
+        with frozen_lambdas(self):
+            return super().generate(*args, **kwargs)
 
     @can_return_tuple
     def forward(

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import DiffAttention, compute_lambda
+from diff_transformer.modeling_diff import DiffAttention, compute_lambda, frozen_lambdas
 
 BACKENDS = ["eager", "sdpa"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -116,6 +116,29 @@ def test_lambda_formula_and_init():
     vectors = torch.cat([torch.cat([p.q1, p.k1, p.q2, p.k2]) for p in
                          (layer.self_attn.lambda_params for layer in model.model.layers)])
     assert vectors.std().item() == pytest.approx(0.1, rel=0.15), "lambda vectors should be N(0, lambda_std_dev)"
+
+
+def test_frozen_lambdas_scope():
+    """`generate` computes each layer's lambda once per call (`frozen_lambdas`): the per-forward value bit for bit,
+    released when the block ends (a nested block keeps the outer values), so a weight written in place through
+    `.data` between calls, which leaves no version-counter trace, is seen by the next call."""
+    model = build_model()
+    modules = [layer.self_attn.lambda_params for layer in model.model.layers]
+    with frozen_lambdas(model):
+        frozen = [m.frozen for m in modules]
+        with frozen_lambdas(model):
+            pass
+        assert all(m.frozen is f for m, f in zip(modules, frozen))
+    assert all(m.frozen is None for m in modules)
+    assert all(torch.equal(f, m()) for f, m in zip(frozen, modules))
+    prompt = torch.randint(3, 97, (2, 7))
+    for m in modules:
+        m.q1.data.add_(0.5)
+    out = model.generate(prompt, max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model(prompt).logits[:, -1]
+    torch.testing.assert_close(out.logits[0], expected, rtol=1e-5, atol=1e-5)
+    assert all(m.frozen is None for m in modules)
 
 
 def greedy_by_full_forward(model, prompt, steps):
