@@ -60,7 +60,7 @@ def branch_scores(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None) 
     scores = torch.bmm(q3, kt3).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
     fill = torch.finfo(scores.dtype).min
     if mask is None and rows > 1:
-        scores[..., -rows:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1), fill)
+        scores[..., -rows:].add_(torch.full((rows, rows), fill, device=q.device).triu_(1))  # faster than masked_fill_
     elif mask is not None and mask.dtype == torch.bool:
         scores.masked_fill_(~mask, fill)
     elif mask is not None:
@@ -142,13 +142,15 @@ class TiledDiffAttention(torch.autograd.Function):
         dq6 = torch.empty(q6.shape, device=q.device)
         dk3 = torch.zeros(2 * batch * h_kv, k.shape[2], d, device=q.device)  # [2 * B * h_kv, S, d]
         dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=q.device)  # [B * h_kv, S, dv]
+        dv = v.shape[-1]
         dlam = torch.zeros_like(lam)
         for start, stop, keys in tiles(length, k.shape[2], ctx.rows):
             rows = n_rep * (stop - start)
             probs = tile_probs(q6, kt5, mask6, start, stop, keys)
             diff_map = differential_map(probs, lam)
             grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
-            dv3[:, :keys].baddbmm_(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv3.shape[-1]))
+            # dV and dK: bmm then add_, as baddbmm_ into a strided slice runs one addmm_ per matrix on CPU
+            dv3[:, :keys].add_(torch.bmm(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv)))
             d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
             d_scores = softmax_grads(d_map, probs)
@@ -157,7 +159,7 @@ class TiledDiffAttention(torch.autograd.Function):
             d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]
             dq6[..., start:stop, :] = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d)).view(
                 2, batch, h_kv, n_rep, -1, d)
-            dk3[:, :keys].baddbmm_(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d))
+            dk3[:, :keys].add_(torch.bmm(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d)))
         sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
         dq = dq6.mul_((sign * ctx.scaling).unsqueeze(-1)).transpose(0, 1).reshape(q.shape)
         dk = dk3.view(2, batch, h_kv, -1, d).mul_(sign).permute(1, 2, 3, 0, 4).reshape(k.shape)
