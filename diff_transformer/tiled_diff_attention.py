@@ -7,8 +7,9 @@ Both branches of a tile of query rows share one batched matmul, one softmax and 
 
 so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
 of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
-Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v and recomputes each tile's
-maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps. On CPU this is the fastest
+Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the
+forward's branch layout) and recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T)
+apart from one tile's maps. On CPU this is the fastest
 exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as one tile.
 
 Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
@@ -108,12 +109,16 @@ def tile_probs(q, kt, mask, start: int, stop: int, keys: int) -> torch.Tensor:
 
 def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
     """[B, h_kv, n_rep, T, dv]: the differential attention output, tile by tile."""
-    q6, kt5 = branch_views(q, k, scaling)
-    mask6, v5 = branch_mask(mask, k.shape[1]), v.contiguous().unsqueeze(2)  # v [B, h_kv, 1, S, dv]
-    if q.shape[2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
+    return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(mask, k.shape[1]), rows)
+
+
+def forward_tiles(q6, kt5, v, lam, mask6, rows: int) -> torch.Tensor:
+    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`)."""
+    v5 = v.contiguous().unsqueeze(2)  # [B, h_kv, 1, S, dv]
+    if q6.shape[-2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
         return torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5)
     outs = []
-    for start, stop, keys in tiles(q.shape[2], k.shape[2], rows):
+    for start, stop, keys in tiles(q6.shape[-2], kt5.shape[-1], rows):
         probs = tile_probs(q6, kt5, mask6, start, stop, keys)
         diff_map = differential_map(probs, lam, out=probs[0])
         outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
@@ -127,21 +132,21 @@ class TiledDiffAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lam, mask, scaling: float, rows: int):
-        ctx.save_for_backward(q, k, v, lam, mask)
-        ctx.scaling, ctx.rows = scaling, rows
-        return tiled_forward(q, k, v, lam, mask, scaling, rows)
+        q6, kt5 = branch_views(q, k, scaling)
+        ctx.save_for_backward(q6, kt5, k, v, lam, mask)  # the views, so that backward does not copy q and k again
+        ctx.scaling, ctx.rows, ctx.q_shape = scaling, rows, q.shape
+        return forward_tiles(q6, kt5, v, lam, branch_mask(mask, k.shape[1]), rows)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, lam, mask = ctx.saved_tensors
+        q6, kt5, k, v, lam, mask = ctx.saved_tensors
         grad_out, v = grad_out.float().contiguous(), v.contiguous()  # per-tile slices fold into one bmm batch
-        q6, kt5 = branch_views(q, k, ctx.scaling)
         _, batch, h_kv, n_rep, length, d = q6.shape
         k5 = k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4).contiguous()  # [2, B, h_kv, S, d]: dq = dS K
         mask6 = branch_mask(mask, h_kv)
-        dq6 = torch.empty(q6.shape, device=q.device)
-        dk3 = torch.zeros(2 * batch * h_kv, k.shape[2], d, device=q.device)  # [2 * B * h_kv, S, d]
-        dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=q.device)  # [B * h_kv, S, dv]
+        dq6 = torch.empty(q6.shape, device=k.device)
+        dk3 = torch.zeros(2 * batch * h_kv, k.shape[2], d, device=k.device)  # [2 * B * h_kv, S, d]
+        dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=k.device)  # [B * h_kv, S, dv]
         dv = v.shape[-1]
         dlam = torch.zeros_like(lam)
         for start, stop, keys in tiles(length, k.shape[2], ctx.rows):
@@ -161,7 +166,7 @@ class TiledDiffAttention(torch.autograd.Function):
                 2, batch, h_kv, n_rep, -1, d)
             dk3[:, :keys].add_(torch.bmm(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d)))
         sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
-        dq = dq6.mul_((sign * ctx.scaling).unsqueeze(-1)).transpose(0, 1).reshape(q.shape)
+        dq = dq6.mul_((sign * ctx.scaling).unsqueeze(-1)).transpose(0, 1).reshape(ctx.q_shape)
         dk = dk3.view(2, batch, h_kv, -1, d).mul_(sign).permute(1, 2, 3, 0, 4).reshape(k.shape)
         return dq, dk, dv3.view(v.shape), dlam, None, None, None
 
