@@ -9,8 +9,8 @@ so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide 
 of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
 Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the
 forward's branch layout) and recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T)
-apart from one tile's maps. On CPU this is the fastest
-exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as one tile.
+apart from one tile's maps. On CPU this is the fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention`
+in modeling_diff.py is the same math as one tile.
 
 Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
 (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv` without repeat_kv copies.
@@ -133,6 +133,7 @@ class TiledDiffAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lam, mask, scaling: float, rows: int):
         q6, kt5 = branch_views(q, k, scaling)
+        v = v.contiguous()  # per-tile slices fold into one bmm batch; copied once for forward and backward
         ctx.save_for_backward(q6, kt5, k, v, lam, mask)  # the views, so that backward does not copy q and k again
         ctx.scaling, ctx.rows, ctx.q_shape = scaling, rows, q.shape
         return forward_tiles(q6, kt5, v, lam, branch_mask(mask, k.shape[1]), rows)
@@ -140,7 +141,7 @@ class TiledDiffAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q6, kt5, k, v, lam, mask = ctx.saved_tensors
-        grad_out, v = grad_out.float().contiguous(), v.contiguous()  # per-tile slices fold into one bmm batch
+        grad_out = grad_out.float().contiguous()  # per-tile slices fold into one bmm batch
         _, batch, h_kv, n_rep, length, d = q6.shape
         k5 = k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4).contiguous()  # [2, B, h_kv, S, d]: dq = dS K
         mask6 = branch_mask(mask, h_kv)
