@@ -132,12 +132,22 @@ def test_frozen_lambdas_scope():
     assert all(m.frozen is None for m in modules)
     assert all(torch.equal(f, m()) for f, m in zip(frozen, modules))
     prompt = torch.randint(3, 97, (2, 7))
+
+    def first_logits():
+        out = model.generate(prompt, max_new_tokens=1, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        return out.logits[0]
+
+    before = first_logits()
     for m in modules:
         m.q1.data.add_(0.5)
-    out = model.generate(prompt, max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    after = first_logits()
+    fresh = build_model()  # an independent model holding the written weights: no state shared with `model`
+    fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
-        expected = model(prompt).logits[:, -1]
-    torch.testing.assert_close(out.logits[0], expected, rtol=1e-5, atol=1e-5)
+        expected = fresh(prompt).logits[:, -1]
+    assert not torch.allclose(before, expected, rtol=1e-5, atol=1e-5), "the write should change the logits"
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
     assert all(m.frozen is None for m in modules)
 
 
