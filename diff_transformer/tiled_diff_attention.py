@@ -143,33 +143,43 @@ class TiledDiffAttention(torch.autograd.Function):
         q6, kt5, k, v, lam, mask = ctx.saved_tensors
         grad_out = grad_out.float().contiguous()  # per-tile slices fold into one bmm batch
         _, batch, h_kv, n_rep, length, d = q6.shape
-        k5 = k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4).contiguous()  # [2, B, h_kv, S, d]: dq = dS K
+        num_keys, dv = k.shape[2], v.shape[-1]
+        sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
+        k5 = torch.mul(k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4), sign * ctx.scaling,
+                       out=k.new_empty(2, batch, h_kv, num_keys, d))  # [2, B, h_kv, S, d]: dq = dS K, signed, scaled
         mask6 = branch_mask(mask, h_kv)
-        dq6 = torch.empty(q6.shape, device=k.device)
-        dk3 = torch.zeros(2 * batch * h_kv, k.shape[2], d, device=k.device)  # [2 * B * h_kv, S, d]
-        dv3 = torch.zeros(batch * h_kv, *v.shape[2:], device=k.device)  # [B * h_kv, S, dv]
-        dv = v.shape[-1]
-        dlam = torch.zeros_like(lam)
-        for start, stop, keys in tiles(length, k.shape[2], ctx.rows):
+        dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
+        dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
+        dlam, dqs = torch.zeros_like(lam), []
+        for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
             probs = tile_probs(q6, kt5, mask6, start, stop, keys)
             diff_map = differential_map(probs, lam)
             grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
-            # dV and dK: bmm then add_, as baddbmm_ into a strided slice runs one addmm_ per matrix on CPU
-            dv3[:, :keys].add_(torch.bmm(diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv)))
+            add_bmm(dv3, diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv))
             d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
             d_scores = softmax_grads(d_map, probs)
             if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
                 d_scores.masked_fill_(~mask6[..., start:stop, :keys], 0)
             d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]
-            dq6[..., start:stop, :] = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d)).view(
-                2, batch, h_kv, n_rep, -1, d)
-            dk3[:, :keys].add_(torch.bmm(d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d)))
-        sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
-        dq = dq6.mul_((sign * ctx.scaling).unsqueeze(-1)).transpose(0, 1).reshape(ctx.q_shape)
-        dk = dk3.view(2, batch, h_kv, -1, d).mul_(sign).permute(1, 2, 3, 0, 4).reshape(k.shape)
-        return dq, dk, dv3.view(v.shape), dlam, None, None, None
+            dq = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d))  # [2 * B * h_kv, n_rep * t, d]
+            dqs.append(dq.view(2, batch, h_kv, n_rep, -1, d).transpose(0, 1))  # [B, 2, h_kv, n_rep, t, d]
+            add_bmm(dk3, d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d))
+        dq = torch.cat(dqs[::-1], dim=-2).view(ctx.q_shape)  # [B, 2, h_kv, n_rep, T, d] -> [B, 2h, T, d]
+        dk = torch.mul(dk3.view(2, batch, h_kv, -1, d).permute(1, 2, 3, 0, 4), sign.view(2, 1),
+                       out=k.new_empty(batch, h_kv, num_keys, 2, d))  # [B, h_kv, S, branch, d]
+        return dq, dk.view(k.shape), dv3.view(v.shape), dlam, None, None, None
+
+
+def add_bmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total[:, :e] += a @ b for a [n, e, r]. The full-width product (the first one: backward runs the tiles last to
+    first) is written instead, so `total` needs no zero fill. bmm then add_: baddbmm_ into a strided slice runs one
+    addmm_ per matrix on CPU."""
+    if a.shape[1] == total.shape[1]:
+        torch.bmm(a, b, out=total)
+    else:
+        total[:, : a.shape[1]].add_(torch.bmm(a, b))
 
 
 def tiled_diff_attention(
