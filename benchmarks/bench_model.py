@@ -1,8 +1,9 @@
 """Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager, DIFF V2) vs transformers'
 DiffLlamaForCausalLM and LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode
-tokens/s and peak memory as ratios measured in one run. Timings are interleaved (round-robin over models, the
-order rotated every round) so machine noise and position effects hit all alike; peak memory is measured per
-model in a fresh subprocess.
+tokens/s and peak memory as ratios measured in one run. Each model lives in its own worker process (as in a
+user's training run: no allocator state shared with the other models) and reports its peak memory after the
+warm-up; timings are interleaved (round-robin over the workers, the order rotated every round, one worker running
+at a time) so machine noise and position effects hit all alike.
 
     python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (issue #2 setting)
     python benchmarks/bench_model.py --quick           # smaller, for a smoke run
@@ -69,29 +70,65 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure_times(args: argparse.Namespace) -> dict:
-    models = {name: build(name, args) for name in args.models}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+class Worker:
+    """One model in its own process, driven over a pipe: CPU torch allocates straight from glibc, whose heap state
+    (trim and mmap thresholds, fragmentation) the models of one process would otherwise share and shape for each
+    other, as no user's training process does. The parent asks for one timing at a time, so workers never overlap."""
+
+    def __init__(self, name: str):
+        argv = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = json.loads(self.process.stdout.readline())  # params and peak memory, after the warm-up
+
+    def time(self, what: str) -> float:
+        self.process.stdin.write(what + "\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The worker side: warm up (one training step, one short generation), report parameters and peak memory, then
+    answer "train" / "decode" with one timing each until stdin closes."""
+    baseline = resident_peak_mib()  # interpreter + torch + transformers
+    torch.manual_seed(0)  # the same batch and prompt in every worker
     batch = torch.randint(3, args.vocab, (args.batch, args.seq), device=args.device)
     prompt = torch.randint(3, args.vocab, (1, args.prompt_len), device=args.device)
-    train, decode = {n: [] for n in models}, {n: [] for n in models}
-    for name, model in models.items():  # warm-up
-        train_step_time(model.train(), optimizers[name], batch)
-        decode_time(model.eval(), prompt, 4)
-    names = list(models)
+    model = build(args.worker, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_step_time(model.train(), optimizer, batch)
+    decode_time(model.eval(), prompt, 8)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else resident_peak_mib() - baseline
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "peak_mib": peak}), flush=True)
+    timings = {"train": lambda: train_step_time(model.train(), optimizer, batch),
+               "decode": lambda: decode_time(model.eval(), prompt, args.new_tokens)}
+    for line in sys.stdin:
+        print(timings[line.strip()](), flush=True)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Timings interleaved round-robin over the workers, the order rotated every round."""
+    workers = {name: Worker(name) for name in args.models}
+    train, decode = {n: [] for n in workers}, {n: [] for n in workers}
+    names = list(workers)
     for round_ in range(args.repeats):
         order = names[round_ % len(names):] + names[: round_ % len(names)]  # rotate: no model always goes first
         for name in order:
-            train[name].append(train_step_time(models[name].train(), optimizers[name], batch))
+            train[name].append(workers[name].time("train"))
         for name in order:
-            decode[name].append(decode_time(models[name].eval(), prompt, args.new_tokens))
-    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+            decode[name].append(workers[name].time("decode"))
+    for worker in workers.values():
+        worker.close()
     return {
-        n: dict(params=params[n], train_tok_s=args.batch * args.seq / statistics.median(train[n]),
+        n: dict(params=w.info["params"], peak_mib=w.info["peak_mib"],
+                train_tok_s=args.batch * args.seq / statistics.median(train[n]),
                 decode_tok_s=args.new_tokens / statistics.median(decode[n]),
                 train_ratios=paired_ratios(train[n], train.get("diff-sdpa")),
                 decode_ratios=paired_ratios(decode[n], decode.get("diff-sdpa")))
-        for n in models
+        for n, w in workers.items()
     }
 
 
@@ -101,19 +138,6 @@ def paired_ratios(times: list[float], base_times: list[float] | None) -> list[fl
     return [t / b for t, b in zip(times, base_times)] if base_times else []
 
 
-def peak_memory(name: str, args: argparse.Namespace) -> float:
-    """Peak memory (MiB) of one training step + one generation, in a fresh subprocess: CUDA peak allocation, or
-    on CPU the peak resident set above the interpreter's after imports."""
-    code = (
-        "import sys, json; sys.argv = json.loads(sys.argv[1]);"
-        "import runpy; ns = runpy.run_path(sys.argv[0], run_name='bench');"
-        "ns['memory_child']()"
-    )
-    argv = [__file__, *sys.argv[1:], "--child", name]
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def resident_peak_mib() -> float:
     """The process's resident-set high-water mark. Not ru_maxrss: Linux carries that across execve, so a child
     would start with its parent's peak; VmHWM belongs to the new address space."""
@@ -121,20 +145,6 @@ def resident_peak_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status: peak CPU memory needs Linux")
-
-
-def memory_child() -> None:
-    args = parse_args()
-    baseline = resident_peak_mib()  # interpreter + torch + transformers
-    model = build(args.child, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(3, args.vocab, (args.batch, args.seq), device=args.device)
-    train_step_time(model.train(), optimizer, batch)
-    decode_time(model.eval(), batch[:1, : args.prompt_len], 8)
-    if args.device == "cuda":
-        print(torch.cuda.max_memory_allocated() / 2**20)
-    else:
-        print(resident_peak_mib() - baseline)
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,7 +161,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, seq 256, 2 repeats")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.intermediate, args.seq, args.repeats, args.new_tokens = 256, 2, 688, 256, 2, 32
@@ -165,7 +175,7 @@ def ratio_cell(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
-def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
+def report(results: dict, args: argparse.Namespace) -> str:
     lines = [
         f"hidden {args.hidden}, {args.layers} layers, seq {args.seq}, batch {args.batch}, decode {args.new_tokens} "
         f"tokens after a {args.prompt_len}-token prompt, device {args.device}, torch {torch.__version__}, "
@@ -178,7 +188,7 @@ def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['params'] / 1e6:.2f} | {r['train_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
-            f"{memory.get(name, float('nan')):.0f} | {ratio_cell(r['train_ratios'])} | "
+            f"{r['peak_mib']:.0f} | {ratio_cell(r['train_ratios'])} | "
             f"{ratio_cell(r['decode_ratios'])} |"
         )
     lines.append("")
@@ -191,10 +201,10 @@ def report(results: dict, memory: dict, args: argparse.Namespace) -> str:
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(0)
-    memory = {name: peak_memory(name, args) for name in args.models}
-    results = measure_times(args)
-    print(report(results, memory, args))
+    if args.worker:
+        serve(args)
+        return
+    print(report(measure(args), args))
 
 
 if __name__ == "__main__":
