@@ -8,10 +8,9 @@ Both branches of a tile of query rows share one batched matmul, one softmax and 
 so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
 of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
 Causal tiles skip the keys after their last row. `TiledDiffAttention` saves q, k, v (q and k also in the forward's
-branch layout) and the maps of the first tiles (up to KEPT_MAPS_FACTOR times those bytes, KEPT_MAPS_MAX_BYTES at
-most), and recomputes the other tiles' maps in backward (like FlashAttention), so memory stays O(T). On CPU this
-is the fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as
-one tile.
+branch layout) and the maps of the first tiles, up to KEPT_MAPS_FACTOR times those bytes, and recomputes the other
+tiles' maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps. On CPU this is the
+fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as one tile.
 
 Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
 (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv` without repeat_kv copies.
@@ -24,7 +23,6 @@ import torch
 
 TILE_ROWS = 128  # query rows per tile; fastest fwd+bwd at B2-T1024-H4-D64 on a 2-core AVX2 CPU (64, 96, 160 slower)
 KEPT_MAPS_FACTOR = 4  # maps kept from forward to backward: up to 4x the bytes of the q, K^T, v the kernel saves
-KEPT_MAPS_MAX_BYTES = 64 * 2**20  # and at most 64 MiB per call (per layer), however long the input
 
 
 def tiled_pays(q: torch.Tensor) -> bool:
@@ -117,13 +115,12 @@ def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor
 
 def forward_tiles(q6, kt5, v, lam, mask6, rows: int, kept: list | None = None) -> torch.Tensor:
     """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). With `kept`, the maps of the first tiles
-    ([2, B, h_kv, n_rep, t, e] each) are appended to it, up to KEPT_MAPS_FACTOR times the bytes of q6, K^T and v and
-    KEPT_MAPS_MAX_BYTES in all, for the backward, which then skips their score product, mask and softmax (about a
-    tenth of the kernel's fwd+bwd time at B2-T1024-H4-D64)."""
+    ([2, B, h_kv, n_rep, t, e] each) are appended to it, up to KEPT_MAPS_FACTOR times the bytes of q6, K^T and v,
+    for the backward: the maps cost as much to recompute as the rest of a tile's backward takes."""
     v5 = v.contiguous().unsqueeze(2)  # [B, h_kv, 1, S, dv]
     if kept is None and q6.shape[-2] <= rows:  # one tile, e.g. every decode step: no slicing (per-op overhead)
         return torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5)
-    outs, budget = [], min(KEPT_MAPS_FACTOR * (q6.nbytes + kt5.nbytes + v.nbytes), KEPT_MAPS_MAX_BYTES)
+    outs, budget = [], KEPT_MAPS_FACTOR * (q6.nbytes + kt5.nbytes + v.nbytes)
     for tile, (start, stop, keys) in enumerate(tiles(q6.shape[-2], kt5.shape[-1], rows)):
         probs = tile_probs(q6, kt5, mask6, start, stop, keys)
         keep = kept is not None and len(kept) == tile and probs.nbytes <= budget  # a prefix of the tiles

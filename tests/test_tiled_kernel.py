@@ -44,12 +44,9 @@ CASES = [
     Case(1, 1, 37, 2, 2, 16, 128, "causal"),  # decode step, no mask
 ]
 DTYPES = [torch.float32, torch.bfloat16]
-# (KEPT_MAPS_FACTOR, KEPT_MAPS_MAX_BYTES): backward recomputes every tile's maps; reuses the first tiles' and
-# recomputes the rest, bounded by the factor (0.25: 1 of 3 and 2 of 5 tiles in the multi-tile cases) or by the cap
-# (40 kB: 1 of 3 and 3 of 5); or reuses them all (the defaults, at these sizes)
-DEFAULT_KEPT = (tiled_module.KEPT_MAPS_FACTOR, tiled_module.KEPT_MAPS_MAX_BYTES)
-KEPT = {"recompute": (0, DEFAULT_KEPT[1]), "keep-prefix-factor": (0.25, DEFAULT_KEPT[1]),
-        "keep-prefix-cap": (DEFAULT_KEPT[0], 40_000), "keep-all": DEFAULT_KEPT}
+# KEPT_MAPS_FACTOR: backward recomputes every tile's maps (0), reuses the first tiles' and recomputes the rest (0.25:
+# 1 of 3 and 2 of 5 tiles in the multi-tile cases), or reuses them all (the default, 4, at these sizes)
+KEPT = {"recompute": 0, "keep-prefix": 0.25, "keep-all": tiled_module.KEPT_MAPS_FACTOR}
 
 
 def make_mask(case: Case) -> torch.Tensor | None:
@@ -100,8 +97,7 @@ def empty_rows(case: Case) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dt: str(dt).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_tiled_matches_reference(case: Case, dtype: torch.dtype, kept: str, monkeypatch):
-    monkeypatch.setattr(tiled_module, "KEPT_MAPS_FACTOR", KEPT[kept][0])
-    monkeypatch.setattr(tiled_module, "KEPT_MAPS_MAX_BYTES", KEPT[kept][1])
+    monkeypatch.setattr(tiled_module, "KEPT_MAPS_FACTOR", KEPT[kept])
     leaves = make_leaves(case, dtype)
     empty = empty_rows(case)
     grad_out = torch.randn(case.B, case.T, case.H, 2 * case.D, generator=torch.Generator().manual_seed(99))
