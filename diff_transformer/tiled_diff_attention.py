@@ -7,10 +7,10 @@ Both branches of a tile of query rows share one batched matmul, one softmax and 
 
 so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
 of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
-Causal tiles skip the keys after their last row. `TiledDiffAttention` saves q, k, v (q and k also in the forward's
-branch layout) and the maps of the first tiles, up to KEPT_MAPS_FACTOR times those bytes, and recomputes the other
-tiles' maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps. On CPU this is the
-fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention` in modeling_diff.py is the same math as one tile.
+Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the
+forward's branch layout) and recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T)
+apart from one tile's maps. On CPU this is the fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention`
+in modeling_diff.py is the same math as one tile.
 
 Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
 (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv` without repeat_kv copies.
@@ -22,7 +22,6 @@ from collections.abc import Iterator
 import torch
 
 TILE_ROWS = 128  # query rows per tile; fastest fwd+bwd at B2-T1024-H4-D64 on a 2-core AVX2 CPU (64, 96, 160 slower)
-KEPT_MAPS_FACTOR = 4  # maps kept from forward to backward: up to 4x the bytes of the q, K^T, v the kernel saves
 
 
 def tiled_pays(q: torch.Tensor) -> bool:
@@ -113,21 +112,15 @@ def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor
     return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(mask, k.shape[1]), rows)
 
 
-def forward_tiles(q6, kt5, v, lam, mask6, rows: int, kept: list | None = None) -> torch.Tensor:
-    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). With `kept`, the maps of the first tiles
-    ([2, B, h_kv, n_rep, t, e] each) are appended to it, up to KEPT_MAPS_FACTOR times the bytes of q6, K^T and v,
-    for the backward: the maps cost as much to recompute as the rest of a tile's backward takes."""
+def forward_tiles(q6, kt5, v, lam, mask6, rows: int) -> torch.Tensor:
+    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`)."""
     v5 = v.contiguous().unsqueeze(2)  # [B, h_kv, 1, S, dv]
-    if kept is None and q6.shape[-2] <= rows:  # one tile, e.g. every decode step: no slicing (per-op overhead)
+    if q6.shape[-2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
         return torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5)
-    outs, budget = [], KEPT_MAPS_FACTOR * (q6.nbytes + kt5.nbytes + v.nbytes)
-    for tile, (start, stop, keys) in enumerate(tiles(q6.shape[-2], kt5.shape[-1], rows)):
+    outs = []
+    for start, stop, keys in tiles(q6.shape[-2], kt5.shape[-1], rows):
         probs = tile_probs(q6, kt5, mask6, start, stop, keys)
-        keep = kept is not None and len(kept) == tile and probs.nbytes <= budget  # a prefix of the tiles
-        if keep:
-            kept.append(probs)
-            budget -= probs.nbytes
-        diff_map = differential_map(probs, lam, out=None if keep else probs[0])
+        diff_map = differential_map(probs, lam, out=probs[0])
         outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
     return torch.cat(outs, dim=-2)
 
@@ -141,15 +134,13 @@ class TiledDiffAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask, scaling: float, rows: int):
         q6, kt5 = branch_views(q, k, scaling)
         v = v.contiguous()  # per-tile slices fold into one bmm batch; copied once for forward and backward
-        kept = []
-        out = forward_tiles(q6, kt5, v, lam, branch_mask(mask, k.shape[1]), rows, kept)
-        ctx.save_for_backward(q6, kt5, k, v, lam, mask, *kept)  # the views, so that backward does not copy q and k
+        ctx.save_for_backward(q6, kt5, k, v, lam, mask)  # the views, so that backward does not copy q and k again
         ctx.scaling, ctx.rows, ctx.q_shape = scaling, rows, q.shape
-        return out
+        return forward_tiles(q6, kt5, v, lam, branch_mask(mask, k.shape[1]), rows)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q6, kt5, k, v, lam, mask, *kept = ctx.saved_tensors
+        q6, kt5, k, v, lam, mask = ctx.saved_tensors
         grad_out = grad_out.float().contiguous()  # per-tile slices fold into one bmm batch
         _, batch, h_kv, n_rep, length, d = q6.shape
         num_keys, dv = k.shape[2], v.shape[-1]
@@ -160,9 +151,9 @@ class TiledDiffAttention(torch.autograd.Function):
         dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
         dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
         dlam, dqs = torch.zeros_like(lam), []
-        for tile, (start, stop, keys) in reversed(list(enumerate(tiles(length, num_keys, ctx.rows)))):
+        for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
-            probs = kept[tile] if tile < len(kept) else tile_probs(q6, kt5, mask6, start, stop, keys)
+            probs = tile_probs(q6, kt5, mask6, start, stop, keys)
             diff_map = differential_map(probs, lam)
             grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
             add_bmm(dv3, diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv))
