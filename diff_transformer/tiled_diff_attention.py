@@ -35,7 +35,8 @@ def tiled_pays(q: torch.Tensor) -> bool:
 def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, 2h, T, d] -> scaling * q as [2, B, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> K^T as
     [2, B, h_kv, d, S]. fp32, branch first and contiguous (one copy each), so each branch's maps are one contiguous
-    block, and a tile's score product reads K^T rows (a transposed K operand makes it about 1.3x slower on CPU)."""
+    block, and a tile's score product reads K^T rows (reading K transposed instead: the score product about 1.3x
+    slower on an AVX2 CPU, the kernel 1.05-1.1x slower on an AVX-512 one; benchmarks/RESULTS.md)."""
     batch, _, length, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
     q6 = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
