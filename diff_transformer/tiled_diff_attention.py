@@ -128,7 +128,8 @@ def map_buffer(q6: torch.Tensor, keys: int, rows: int, maps: int) -> torch.Tenso
     """Flat scratch for `maps` maps [B, h_kv, n_rep, rows, keys] that every tile of a call reuses. A fresh
     multi-MiB tensor per tile is written cache-cold (and each 4 KiB page faults on first touch where the allocator
     gave the memory back to the system): the last forward tile's score product took 1.6 ms instead of 1.1 at
-    B2-T1024-H4-D64, and the kernel's fwd+bwd is 0.94x the time at B1-T2048-H4-D64, 0.88x at B1-T4096."""
+    B2-T1024-H4-D64, and the kernel's fwd+bwd is 0.94x the time at B1-T2048-H4-D64, 0.88x at B1-T4096. glibc
+    serves blocks over 32 MiB from fresh pages every time (its mmap threshold's ceiling), so buffers stay small."""
     return q6.new_empty(maps * math.prod(q6.shape[1:4]) * min(rows, q6.shape[-2]) * keys)  # [B, h_kv, n_rep] maps
 
 
@@ -184,16 +185,17 @@ class TiledDiffAttention(torch.autograd.Function):
         dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
         dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
         dlam, dqs = torch.zeros_like(lam), []
-        buffers = map_buffer(q6, num_keys, ctx.rows, 5).view(5, -1)  # P_1 and P_2, M then dM, dS_1 and dS_2
+        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers, as one of 5 maps is mmapped fresh at a smaller size
+        p_buffer, m_buffer, ds_buffer = (map_buffer(q6, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
         for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
-            probs = tile_probs(q6, kt5, mask6, start, stop, keys, buffers[:2].view(-1))
-            diff_map = differential_map(probs, lam, out=prefix(buffers[2], *probs.shape[1:]))
+            probs = tile_probs(q6, kt5, mask6, start, stop, keys, p_buffer)
+            diff_map = differential_map(probs, lam, out=prefix(m_buffer, *probs.shape[1:]))
             grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
             add_bmm(dv3, diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv))
             d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
-            d_scores = softmax_grads(d_map, probs, out=prefix(buffers[3:].view(-1), *probs.shape))
+            d_scores = softmax_grads(d_map, probs, out=prefix(ds_buffer, *probs.shape))
             if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
                 d_scores.masked_fill_(~mask6[..., start:stop, :keys], 0)
             d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]
