@@ -142,21 +142,25 @@ def tile_probs(q, kt, mask, start: int, stop: int, keys: int, buffer: torch.Tens
 
 
 def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
-    """[B, h_kv, n_rep, T, dv]: the differential attention output, tile by tile."""
+    """[B, T, h_kv, n_rep, dv]: the differential attention output, tile by tile."""
     return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(mask, k.shape[1]), rows)
 
 
 def forward_tiles(q6, kt5, v, lam, mask6, rows: int) -> torch.Tensor:
-    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`)."""
+    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). Each tile's product is written straight
+    into the output, laid out [B, T, h_kv, n_rep, dv] as SubLN and o_proj read it (no concatenation, no transpose)."""
+    _, batch, h_kv, n_rep, length, _ = q6.shape
     v5 = v.contiguous().unsqueeze(2)  # [B, h_kv, 1, S, dv]
-    if q6.shape[-2] <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
-        return torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5)
-    outs, buffer = [], map_buffer(q6, kt5.shape[-1], rows, 2)
-    for start, stop, keys in tiles(q6.shape[-2], kt5.shape[-1], rows):
+    out = v.new_empty(batch, length, h_kv, n_rep, v.shape[-1])
+    if length <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
+        torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5, out=out.permute(0, 2, 3, 1, 4))
+        return out
+    buffer = map_buffer(q6, kt5.shape[-1], rows, 2)
+    for start, stop, keys in tiles(length, kt5.shape[-1], rows):
         probs = tile_probs(q6, kt5, mask6, start, stop, keys, buffer)
         diff_map = differential_map(probs, lam, out=probs[0])
-        outs.append(torch.matmul(diff_map, v5[..., :keys, :]))
-    return torch.cat(outs, dim=-2)
+        torch.matmul(diff_map, v5[..., :keys, :], out=out[:, start:stop].permute(0, 2, 3, 1, 4))
+    return out
 
 
 class TiledDiffAttention(torch.autograd.Function):
@@ -175,7 +179,7 @@ class TiledDiffAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q6, kt5, k, v, lam, mask = ctx.saved_tensors
-        grad_out = grad_out.float().contiguous()  # per-tile slices fold into one bmm batch
+        grad_out = grad_out.float().permute(0, 2, 3, 1, 4).contiguous()  # [B, h_kv, n_rep, T, dv]: tiles fold into bmm
         _, batch, h_kv, n_rep, length, d = q6.shape
         num_keys, dv = k.shape[2], v.shape[-1]
         sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
@@ -234,4 +238,4 @@ def tiled_diff_attention(
         out = TiledDiffAttention.apply(q, k, v, lam, mask, scaling, rows)
     else:
         out = tiled_forward(q, k, v, lam, mask, scaling, rows)
-    return out.flatten(1, 2).transpose(1, 2).contiguous()  # [B, h_kv, n_rep, T, dv] -> [B, T, h, dv], as SubLN reads it
+    return out.flatten(2, 3)  # [B, T, h_kv, n_rep, dv] -> [B, T, h, dv]
