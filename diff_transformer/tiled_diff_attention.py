@@ -28,10 +28,12 @@ TILE_ROWS = 128  # query rows per tile; fastest fwd+bwd at B2-T1024-H4-D64 on a 
 
 def tiled_pays(q: torch.Tensor) -> bool:
     """Whether the tiled kernel beats two torch sdpa calls on CPU: it needs causal tiles to skip (T > TILE_ROWS)
-    and d >= 64 (at d <= 32 the padded query's wasted half costs little). fwd+bwd vs two calls, 2-core AVX2 CPU:
-    0.70x at B4-T256-H4-D64, 0.48x at B2-T512-H4-D64, 0.68x at B2-T1024-H4-D64, 0.76x at B1-T2048-H8-D64, but
-    2.2x at B16-T128-H2-D16 (one tile) and 1.0x at B1-T1024-H4-D16."""
-    return q.shape[2] > TILE_ROWS and q.shape[-1] >= 64
+    and d >= 32 (at d = 16 the padded query's wasted half costs little). fwd+bwd vs two calls, 2-core AVX-512 CPU
+    (kernel of 9f0a3b0): 0.57-0.73x at B1-T256, B4-T256, B2-T512, B2-T1024 with H4-D64; 0.70-0.91x at B4-T256,
+    B8-T256, B2-T512, B1-T1024 (H4) and B1-T2048 (H8) with D32; but 0.98-1.17x at B2-T512 and B1-T1024 with H4-D16
+    and 1.9x at B16-T128-H2-D16 (one tile). The older kernel on a 2-core AVX2 CPU: 0.48-0.76x at d = 64, 1.0x at
+    B1-T1024-H4-D16."""
+    return q.shape[2] > TILE_ROWS and q.shape[-1] >= 32
 
 
 def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
