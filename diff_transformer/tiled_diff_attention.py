@@ -191,7 +191,7 @@ class TiledDiffAttention(torch.autograd.Function):
         dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
         dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
         dlam, dqs = torch.zeros_like(lam), []
-        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers, as one of 5 maps is mmapped fresh at a smaller size
+        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers, as one of five maps passes glibc's ceiling sooner
         p_buffer, m_buffer, ds_buffer = (map_buffer(q6, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
         for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
