@@ -17,7 +17,6 @@ Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, k
 A mask of None means causal with the queries as the last T of the S keys.
 """
 
-import functools
 import math
 from collections.abc import Iterator
 
@@ -62,21 +61,6 @@ def prefix(buffer: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
     return None if buffer is None else buffer[: math.prod(shape)].view(shape)
 
 
-def causal_block(rows: int, device: torch.device) -> torch.Tensor:
-    """[rows, rows] additive mask of a causal tile's own keys (finfo.min above the diagonal); read only. Up to
-    TILE_ROWS rows it is a corner of one block built once per device (a t-row mask is the [:t, :t] corner of any
-    larger one), so the tiles of every call share it."""
-    if rows <= TILE_ROWS:
-        return tile_causal_block(device)[:rows, :rows]
-    return torch.full((rows, rows), torch.finfo(torch.float32).min, device=device).triu_(1)
-
-
-@functools.cache
-def tile_causal_block(device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):  # a first call under inference mode must not cache an inference tensor
-        return torch.full((TILE_ROWS, TILE_ROWS), torch.finfo(torch.float32).min, device=device).triu_(1)
-
-
 def branch_scores(
     q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, buffer: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -90,7 +74,7 @@ def branch_scores(
     scores = torch.bmm(q3, kt3, out=out).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
     fill = torch.finfo(scores.dtype).min
     if mask is None and rows > 1:
-        scores[..., -rows:].add_(causal_block(rows, q.device))  # faster than masked_fill_
+        scores[..., -rows:].add_(torch.full((rows, rows), fill, device=q.device).triu_(1))  # faster than masked_fill_
     elif mask is not None and mask.dtype == torch.bool:
         scores.masked_fill_(~mask, fill)
     elif mask is not None:
