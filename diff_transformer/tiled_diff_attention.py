@@ -174,6 +174,7 @@ class TiledDiffAttention(torch.autograd.Function):
         mask6 = branch_mask(mask, h_kv)
         dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
         dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
+        v3 = v.view(batch * h_kv, num_keys, dv)
         dlam, dqs = torch.zeros_like(lam), []
         # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers, as one of five maps passes glibc's ceiling sooner
         p_buffer, m_buffer, ds_buffer = (map_buffer(q6, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
@@ -181,9 +182,10 @@ class TiledDiffAttention(torch.autograd.Function):
             rows = n_rep * (stop - start)
             probs = tile_probs(q6, kt5, mask6, start, stop, keys, p_buffer)
             diff_map = differential_map(probs, lam, out=prefix(m_buffer, *probs.shape[1:]))
-            grad = grad_out[..., start:stop, :]  # [B, h_kv, n_rep, t, dv]
-            add_bmm(dv3, diff_map.reshape(-1, rows, keys).transpose(1, 2), grad.reshape(-1, rows, dv))
-            d_map = torch.matmul(grad, v[:, :, None, :keys].transpose(-1, -2), out=diff_map)  # [B, h_kv, n_rep, t, e]
+            grad = grad_out[..., start:stop, :].reshape(-1, rows, dv)  # [B * h_kv, n_rep * t, dv]
+            add_bmm(dv3, diff_map.view(-1, rows, keys).transpose(1, 2), grad)
+            d_map = torch.bmm(grad, v3[:, :keys].transpose(1, 2), out=diff_map.view(-1, rows, keys)).view(
+                probs.shape[1:])  # dM = dO V^T [B, h_kv, n_rep, t, e], GQA folded into rows (no V copy per n_rep)
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
             d_scores = softmax_grads(d_map, probs, out=prefix(ds_buffer, *probs.shape))
             if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
