@@ -133,20 +133,29 @@ def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor
 
 
 def forward_tiles(q6, kt5, v, lam, mask6, rows: int) -> torch.Tensor:
-    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). Each tile's product is written straight
-    into the output, laid out [B, T, h_kv, n_rep, dv] as SubLN and o_proj read it (no concatenation, no transpose)."""
+    """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). Each tile's product is written into the
+    output, laid out [B, T, h_kv, n_rep, dv] as SubLN and o_proj read it (no concatenation, no transpose)."""
     _, batch, h_kv, n_rep, length, _ = q6.shape
-    v5 = v.contiguous().unsqueeze(2)  # [B, h_kv, 1, S, dv]
+    v3 = v.contiguous().view(batch * h_kv, -1, v.shape[-1])  # [B * h_kv, S, dv]
     out = v.new_empty(batch, length, h_kv, n_rep, v.shape[-1])
     if length <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
-        torch.matmul(differential_map(branch_probs(q6, kt5, mask6), lam), v5, out=out.permute(0, 2, 3, 1, 4))
+        write_product(out, 0, differential_map(branch_probs(q6, kt5, mask6), lam), v3)
         return out
     buffer = map_buffer(q6, kt5.shape[-1], rows, 2)
     for start, stop, keys in tiles(length, kt5.shape[-1], rows):
         probs = tile_probs(q6, kt5, mask6, start, stop, keys, buffer)
-        diff_map = differential_map(probs, lam, out=probs[0])
-        torch.matmul(diff_map, v5[..., :keys, :], out=out[:, start:stop].permute(0, 2, 3, 1, 4))
+        write_product(out, start, differential_map(probs, lam, out=probs[0]), v3)
     return out
+
+
+def write_product(out: torch.Tensor, start: int, diff_map: torch.Tensor, v3: torch.Tensor) -> None:
+    """out[:, start:start + t] = M V for a tile's map M [B, h_kv, n_rep, t, e]: one bmm per kv head with the GQA
+    groups folded into the rows, then one copy into out's [B, T, h_kv, n_rep, dv] layout. torch.matmul would copy
+    V n_rep times per tile, and writing through `out=` a strided view took longer (kernel fwd+bwd 0.955-0.978x the
+    time at B2-T1024-H4-D64, 0.89-0.94x with h_kv = 2 at B1-T1024-H8-D64)."""
+    batch, h_kv, n_rep, length, keys = diff_map.shape
+    product = torch.bmm(diff_map.view(batch * h_kv, n_rep * length, keys), v3[:, :keys])  # [B * h_kv, n_rep * t, dv]
+    out[:, start : start + length].permute(0, 2, 3, 1, 4).copy_(product.view(batch, h_kv, n_rep, length, -1))
 
 
 class TiledDiffAttention(torch.autograd.Function):
