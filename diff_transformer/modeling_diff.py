@@ -48,6 +48,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
 from .tiled_diff_attention import (
+    autocast_off,
     branch_mask,
     branch_probs,
     branch_views,
@@ -168,6 +169,7 @@ def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]
     return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
 
 
+@autocast_off
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """Materialises A1 and A2 in fp32 (one tile of tiled_diff_attention.py, both branches in one matmul); the only
     backend that returns the differential map A1 - lambda A2."""

@@ -17,8 +17,9 @@ Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, k
 A mask of None means causal with the queries as the last T of the S keys.
 """
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -95,6 +96,22 @@ def softmax_grads(d_map: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -
     for branch in range(2):
         torch.ops.aten._softmax_backward_data.out(d_map, probs[branch], -1, torch.float32, grad_input=out[branch])
     return out
+
+
+def autocast_off(kernel: Callable) -> Callable:
+    """Run `kernel` with autocast disabled on the device of its first tensor argument. These kernels compute scores
+    and softmax in fp32 whatever the input dtype; under autocast `torch.bmm` returns bf16 scores, where an additive
+    mask's fp32 minimum rounds to -inf in place and a fully masked row's softmax gives NaN."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        device = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
+        if not torch.is_autocast_enabled(device):
+            return kernel(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return kernel(*args, **kwargs)
+
+    return run
 
 
 def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
@@ -219,14 +236,12 @@ def add_bmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         total[:, : a.shape[1]].add_(torch.bmm(a, b))
 
 
+@autocast_off
 def tiled_diff_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor | None, scaling: float,
     rows: int = TILE_ROWS,
 ) -> torch.Tensor:
     """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring)."""
-    if torch.is_autocast_enabled(q.device.type):  # fp32 throughout, also under mixed precision
-        with torch.autocast(q.device.type, enabled=False):
-            return tiled_diff_attention(q, k, v, lam, mask, scaling, rows)
     length = q.shape[2]
     if mask is None and length > 1:  # sdpa's skipped mask is top-left causal: a static cache's empty slots go
         k, v = k[:, :, :length], v[:, :, :length]

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import DiffAttention, compute_lambda, frozen_lambdas
+from diff_transformer.modeling_diff import DiffAttention, compute_lambda, eager_diff_attention, frozen_lambdas
+from diff_transformer.tiled_diff_attention import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -347,19 +348,45 @@ def test_truncated_safetensors_raise(tmp_path):
     assert str(tmp_path) in str(info.value) and "save_pretrained" in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fully_padded_rows_give_no_nan(backend):
+def test_fully_padded_rows_give_no_nan(backend, autocast):
+    """Also under bf16 autocast (Trainer's bf16=True on CPU)."""
     model = build_model(backend).train()
     batch = torch.randint(3, 97, (3, 8))
     mask = torch.ones_like(batch)
     mask[1] = 0
     mask[2, :5] = 0
     labels = batch.masked_fill(mask == 0, -100)
-    out = model(batch, attention_mask=mask, labels=labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(batch, attention_mask=mask, labels=labels)
     out.loss.backward()
     assert torch.isfinite(out.logits).all(), "NaN/inf in logits of a fully padded row"
     for name, param in model.named_parameters():
         assert torch.isfinite(param.grad).all(), f"NaN/inf in grad of {name}"
+
+
+@pytest.mark.parametrize("kernel", ["eager", "tiled"])
+def test_kernels_compute_in_fp32_under_autocast(kernel):
+    """The eager and tiled kernels keep scores and softmax in fp32 under bf16 autocast: bitwise the outputs without
+    it, and no NaN from a fully masked row (in bf16 scores an additive mask's fp32 minimum rounds to -inf)."""
+    torch.manual_seed(0)
+    batch, h, h_kv, length, d = 2, 4, 2, 12, 8
+    q, k, v = torch.randn(batch, 2 * h, length, d), *torch.randn(2, batch, h_kv, length, 2 * d)
+    lam = torch.tensor(0.3)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril() & (torch.arange(length) >= 5)  # rows 0-4: none
+    mask = torch.zeros(batch, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    attn = build_model("eager").model.layers[0].self_attn
+    if kernel == "eager":
+        attend = lambda: eager_diff_attention(attn, q, k, v, lam, mask, d**-0.5)[0]  # noqa: E731
+    else:
+        attend = lambda: tiled_diff_attention(q, k, v, lam, mask, d**-0.5, rows=4)  # noqa: E731
+    expected = attend()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attend()
+    assert got.dtype == torch.float32 and torch.isfinite(got).all(), f"{kernel}: {got.dtype}, NaN/inf under autocast"
+    diff = (got - expected).abs()
+    assert torch.equal(got, expected), f"{kernel}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
 
 
 def test_subln_backward_matches_autograd_of_the_formula():
