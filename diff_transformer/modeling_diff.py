@@ -477,7 +477,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(
-            f"input_ids must lie in [0, {vocab_size}) (config.vocab_size) but range over [{low}, {high}]; "
+            f"input_ids must lie in [0, {vocab_size}) (the input embedding's rows) but range over [{low}, {high}]; "
             "check the tokenizer matches the model or resize the embeddings with model.resize_token_embeddings"
         )
 
@@ -509,7 +509,7 @@ class DiffModel(DiffPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            check_token_ids(input_ids, self.vocab_size)
+            check_token_ids(input_ids, self.embed_tokens.num_embeddings)  # not config.vocab_size: resizing
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)

@@ -332,6 +332,10 @@ def test_out_of_range_token_ids_raise():
         model(torch.tensor([[5, 97]]))
     with pytest.raises(ValueError, match="input_ids must lie"):
         model(torch.tensor([[-1, 5]]))
+    model.resize_token_embeddings(101)  # the check follows the embedding, as the error's fix says
+    model(torch.tensor([[5, 100]]))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 101\)"):
+        model(torch.tensor([[5, 101]]))
 
 
 def test_unknown_attn_implementation_raises():
