@@ -352,11 +352,12 @@ def test_truncated_safetensors_raise(tmp_path):
     assert str(tmp_path) in str(info.value) and "save_pretrained" in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "fp64"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fully_padded_rows_give_no_nan(backend, autocast):
-    """Also under bf16 autocast (Trainer's bf16=True on CPU)."""
-    model = build_model(backend).train()
+def test_fully_padded_rows_give_no_nan(backend, precision):
+    """Also under bf16 autocast (Trainer's bf16=True on CPU) and in float64, whose mask minimum overflows fp32."""
+    autocast = precision == "bf16-autocast"
+    model = build_model(backend, torch.float64 if precision == "fp64" else torch.float32).train()
     batch = torch.randint(3, 97, (3, 8))
     mask = torch.ones_like(batch)
     mask[1] = 0
