@@ -20,6 +20,7 @@ static cache allocates for both, both branches read their keys as zero-copy view
 zero-padded query attends to the packed keys in one standard-attention call per branch (`branch_calls`).
 """
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -86,6 +87,7 @@ class DiffLambda(nn.Module):
         self.q2 = nn.Parameter(torch.zeros(head_dim))
         self.k2 = nn.Parameter(torch.zeros(head_dim))
         self.frozen: torch.Tensor | None = None  # set only inside `frozen_lambdas`
+        self.frozen_depth = 0  # how many `frozen_lambdas` blocks are open on this module
 
     def forward(self) -> torch.Tensor:
         if self.frozen is not None:
@@ -96,6 +98,9 @@ class DiffLambda(nn.Module):
         return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
 
 
+FREEZE_LOCK = threading.Lock()
+
+
 @contextmanager
 def frozen_lambdas(model: nn.Module) -> Iterator[None]:
     """Compute each layer's lambda once for the block instead of once per layer and forward.
@@ -103,17 +108,23 @@ def frozen_lambdas(model: nn.Module) -> Iterator[None]:
     For `generate`, where the weights are fixed: a batch-1 CPU decode step is bound by per-op overhead, and lambda
     costs 6 ops per layer and step. Not a cache keyed on the parameters: in-place writes through `.data` (DeepSpeed,
     EMA code) leave no trace on them, so only a block that cannot change the weights may skip the recomputation.
+    Blocks are counted, not stacked: inner or overlapping blocks (assisted generation; `generate` called from several
+    threads) share the first block's values, and the last one to close releases them, whatever the order.
     """
     modules = [m for m in model.modules() if isinstance(m, DiffLambda)]
-    outer = [m.frozen for m in modules]  # nested blocks (assisted generation) keep the outer block's values
-    with torch.no_grad():
+    with FREEZE_LOCK, torch.no_grad():
         for module in modules:
-            module.frozen = module()
+            if module.frozen_depth == 0:
+                module.frozen = module()
+            module.frozen_depth += 1
     try:
         yield
     finally:
-        for module, frozen in zip(modules, outer):
-            module.frozen = frozen
+        with FREEZE_LOCK:
+            for module in modules:
+                module.frozen_depth -= 1
+                if module.frozen_depth == 0:
+                    module.frozen = None
 
 
 def sub_ln(x: torch.Tensor, weight: torch.Tensor, scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,8 +121,9 @@ def test_lambda_formula_and_init():
 
 def test_frozen_lambdas_scope():
     """`generate` computes each layer's lambda once per call (`frozen_lambdas`): the per-forward value bit for bit,
-    released when the block ends (a nested block keeps the outer values), so a weight written in place through
-    `.data` between calls, which leaves no version-counter trace, is seen by the next call."""
+    released when the last open block ends (a nested block keeps the outer values; of two overlapping blocks, as
+    from two threads, neither leaves its values behind), so a weight written in place through `.data` between
+    calls, which leaves no version-counter trace, is seen by the next call."""
     model = build_model()
     modules = [layer.self_attn.lambda_params for layer in model.model.layers]
     with frozen_lambdas(model):
@@ -132,6 +133,13 @@ def test_frozen_lambdas_scope():
         assert all(m.frozen is f for m, f in zip(modules, frozen))
     assert all(m.frozen is None for m in modules)
     assert all(torch.equal(f, m()) for f, m in zip(frozen, modules))
+    first, second = frozen_lambdas(model), frozen_lambdas(model)  # overlapping, as from two threads' generate
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert all(m.frozen is not None for m in modules), "an open block must keep its values"
+    second.__exit__(None, None, None)
+    assert all(m.frozen is None for m in modules), "the last block to close must release the values"
     prompt = torch.randint(3, 97, (2, 7))
 
     def first_logits():
