@@ -78,8 +78,8 @@ def branch_scores(
         scores[..., -rows:].add_(torch.full((rows, rows), fill, device=q.device).triu_(1))  # faster than masked_fill_
     elif mask is not None and mask.dtype == torch.bool:
         scores.masked_fill_(~mask, fill)
-    elif mask is not None:  # clamped: a float64 mask's minimum overflows the fp32 scores to -inf
-        scores.add_(mask).clamp_(min=fill)
+    elif mask is not None:  # a float64 mask's minimum would overflow the fp32 scores to -inf: clamped to the fill
+        scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
     return scores
 
 
