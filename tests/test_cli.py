@@ -36,8 +36,7 @@ def test_train_default_task_then_generate(tmp_path, capsys):
     main(["train", "--max-steps", "30", "--examples", "500", "--output", str(folder)])
     output = capsys.readouterr().out
     assert "reloaded through AutoModelForCausalLM: DiffForCausalLM" in output, output
-    accuracy = float(re.search(r"retrieval accuracy on held-out prompts: ([0-9.]+)", output).group(1))
-    assert 0.0 <= accuracy <= 1.0
+    assert re.search(r"^retrieval accuracy on held-out prompts: [01]\.\d{3}$", output, flags=re.MULTILINE), output
     assert isinstance(AutoModelForCausalLM.from_pretrained(folder), DiffForCausalLM)
 
     prompt = "k3 v7 k9 v2 ? k9"
