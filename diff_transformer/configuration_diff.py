@@ -32,7 +32,7 @@ class DiffConfig(PreTrainedConfig):
     """
 
     model_type = "diff_transformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output key before and after transformers 5.24
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -77,8 +77,6 @@ class DiffConfig(PreTrainedConfig):
     attention_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

@@ -20,6 +20,8 @@ static cache allocates for both, both branches read their keys as zero-copy view
 zero-padded query attends to the packed keys in one standard-attention call per branch (`branch_calls`).
 """
 
+import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -59,6 +61,14 @@ from .tiled_diff_attention import (
 )
 
 try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # older transformers (5.17) slice inline in each model, as here
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        return hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
+
+
+try:
     from .diff_flash_attention import diff_flash_attention, triton_available
 except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
     diff_flash_attention = None
@@ -68,6 +78,39 @@ except ImportError:  # the Hub copy may lack the kernel file's optional dependen
 
 
 FUSED_IMPLEMENTATION = "diff_flash"
+
+# transformers 5.24 renamed the cache argument `past_key_values` to `cache` (forwards, `generate`, masks, outputs and
+# gradient checkpointing). The model takes the cache as `cache` and calls the library under the name it uses.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+OLD_CACHE_KWARG = "past_key_values"
+
+
+def takes_cache_alias(forward: Callable) -> Callable:
+    """Accept the cache as `past_key_values` too (the name of transformers < 5.24, and of user code written for it).
+
+    transformers' own `deprecate_kwarg` would warn under < 5.24, where `past_key_values` is the library's current name
+    and `generate` passes it, and only warns when both names are set; here both set is an error.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if OLD_CACHE_KWARG in kwargs:
+            if kwargs.get("cache") is not None:
+                raise ValueError(f"got the cache as both `cache` and `{OLD_CACHE_KWARG}`; pass it once, as `cache`")
+            kwargs["cache"] = kwargs.pop(OLD_CACHE_KWARG)
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def check_no_dropped_cache(kwargs: dict) -> None:
+    """A cache under a name the model does not read would be dropped, and every decode step would see no context."""
+    for name, value in kwargs.items():
+        if isinstance(value, Cache) or name in ("past_key_value", "layer_past", "past", "cache_params"):
+            raise TypeError(
+                f"{name}={type(value).__name__} is not a cache argument of this model, which would ignore it; "
+                f"pass the cache as `cache` (or `{OLD_CACHE_KWARG}`)"
+            )
 
 
 def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
@@ -310,18 +353,19 @@ class DiffAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, length, h_kv, -1).transpose(1, 2)  # [B, h_kv, T, dv]
         return q, k, v
 
+    @takes_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
         q, k, v = self.project(hidden_states, position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attend = DIFF_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, interface_diff_attention)
         out, attn_map = attend(
             self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs
@@ -351,12 +395,13 @@ class DiffV2Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.attention_out_bias)
         self.lambda_proj = nn.Linear(hidden, self.num_heads, bias=False)
 
+    @takes_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
@@ -365,8 +410,8 @@ class DiffV2Attention(nn.Module):
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         attn = attn.view(batch, length, self.num_heads, 2, self.head_dim)  # [B, T, h, pair, d]
@@ -421,19 +466,20 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @takes_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        attn_out, _ = self.self_attn(
+        attn_out, _ = self.self_attn(  # the library's name: the standard layers are transformers' LlamaAttention
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **{CACHE_KWARG: cache},
             **kwargs,
         )
         hidden_states = hidden_states + attn_out
@@ -446,7 +492,7 @@ class DiffPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_KWARG]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -505,6 +551,7 @@ class DiffModel(DiffPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @takes_cache_alias
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -512,27 +559,28 @@ class DiffModel(DiffPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_no_dropped_cache(kwargs)
         if inputs_embeds is None:
             check_token_ids(input_ids, self.embed_tokens.num_embeddings)  # not config.vocab_size: resizing
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_KWARG: cache},
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -541,10 +589,10 @@ class DiffModel(DiffPreTrainedModel):
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                **{CACHE_KWARG: cache},  # the library's name: its gradient checkpointing drops the cache by name
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_KWARG: cache})
 
 
 class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
@@ -564,13 +612,14 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         with frozen_lambdas(self):
             return super().generate(*args, **kwargs)
 
+    @takes_cache_alias
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -581,7 +630,7 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -593,7 +642,7 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -191,13 +191,13 @@ def test_static_cache_prefill_and_decode_match_eager(backend, padded):
         model = build(name)
         cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
-            out = model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = model(tokens, attention_mask=mask, cache=cache, use_cache=True)
             logits = [out.logits[mask.bool()]]
             for step in range(2):
                 next_token = out.logits[:, -1:].argmax(-1)
                 mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
                 position = torch.tensor([[tokens.shape[1] + step]], device=DEVICE)
-                out = model(next_token, attention_mask=mask, past_key_values=cache, use_cache=True,
+                out = model(next_token, attention_mask=mask, cache=cache, use_cache=True,
                             position_ids=(mask.cumsum(-1) - 1)[:, -1:] if padded else position)
                 logits.append(out.logits[:, -1])
         step_logits[name] = logits

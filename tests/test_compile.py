@@ -38,12 +38,12 @@ def test_forward_has_no_graph_breaks(backend, version, step):
     cache = StaticCache(config=model.config, max_cache_len=16)
     tokens = torch.randint(3, 97, (2, 6))
     with torch.no_grad():
-        model(tokens, past_key_values=cache, use_cache=True)
+        model(tokens, cache=cache, use_cache=True)
     if step == "decode":
         tokens = tokens[:, -1:]
     position_ids = torch.full((1, tokens.shape[1]), 6) if step == "decode" else torch.arange(6)[None]
     with torch.no_grad():
-        explanation = torch._dynamo.explain(model)(tokens, past_key_values=cache, use_cache=True,
+        explanation = torch._dynamo.explain(model)(tokens, cache=cache, use_cache=True,
                                                    position_ids=position_ids)
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
     assert explanation.graph_count == 1

@@ -22,7 +22,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import DiffAttention, compute_lambda, eager_diff_attention, frozen_lambdas
+from diff_transformer.modeling_diff import (
+    CACHE_KWARG,
+    DiffAttention,
+    compute_lambda,
+    eager_diff_attention,
+    frozen_lambdas,
+)
 from diff_transformer.tiled_diff_attention import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
@@ -49,7 +55,7 @@ def randomize_gains(model: torch.nn.Module) -> None:
 def run_attention(attn: DiffAttention, model: DiffModel, x: torch.Tensor, key_valid=None):
     position_ids = torch.arange(x.shape[1])[None]
     mask = create_causal_mask(
-        config=model.config, inputs_embeds=x, attention_mask=key_valid, past_key_values=None, position_ids=position_ids
+        config=model.config, inputs_embeds=x, attention_mask=key_valid, position_ids=position_ids, **{CACHE_KWARG: None}
     )
     out, _ = attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)
     return out
@@ -243,12 +249,14 @@ def test_save_load_bit_identical_and_auto_classes(tmp_path):
 
 
 def test_remote_code_loads_without_package(tmp_path):
+    """Logits and cached greedy tokens of the Hub copy equal the package's, under the installed transformers."""
     model = build_model()
     batch = torch.randint(3, 97, (1, 8))
     with torch.no_grad():
         logits = model(batch).logits
+    generated = model.generate(batch, max_new_tokens=12, do_sample=False)
     model.save_pretrained(tmp_path / "model")
-    torch.save({"batch": batch, "logits": logits}, tmp_path / "expected.pt")
+    torch.save({"batch": batch, "logits": logits, "generated": generated}, tmp_path / "expected.pt")
     script = textwrap.dedent(f"""
         import sys
         sys.path = [p for p in sys.path if p not in ("", {os.getcwd()!r})]
@@ -262,6 +270,8 @@ def test_remote_code_loads_without_package(tmp_path):
             logits = model(expected["batch"]).logits
         diff = (logits - expected["logits"]).abs().max().item()
         assert diff == 0.0, f"max abs diff {{diff}}"
+        generated = model.generate(expected["batch"], max_new_tokens=12, do_sample=False)
+        assert torch.equal(generated, expected["generated"]), (generated, expected["generated"])
         print("REMOTE_OK", type(model).__name__)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
@@ -276,8 +286,11 @@ def test_gradient_checkpointing_same_gradients(backend):
     for checkpointing in (False, True):
         torch.manual_seed(3)
         model = build_model(backend).train()
-        if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:  # transformers 5.24 renamed gradient_checkpointing_enable; the old name warns there
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model(batch, labels=batch).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert_close(grads[1], grads[0], torch.float32, f"{backend} checkpointed grads")
@@ -424,3 +437,31 @@ def test_subln_backward_matches_autograd_of_the_formula():
     with torch.no_grad():
         assert torch.equal(ours(x, 0.7), got.detach()), "the no-grad path differs from the autograd path"
     assert torch.autograd.gradcheck(lambda a, w: SubLNFunction.apply(a, w, 0.7, 1e-6), (x, weight))
+
+
+LEGACY_ROPE = {
+    "default": {},
+    "top-level-theta": {"rope_theta": 500000.0},
+    "rope_scaling": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 20000.0},
+}
+
+
+@pytest.mark.parametrize("fields", list(LEGACY_ROPE))
+def test_legacy_rope_config_formats_load_as_llama_reads_them(fields, tmp_path):
+    """A config.json in the older format (`rope_theta` / `rope_scaling` at top level) gives the rope parameters and
+    rotary frequencies that transformers' LlamaConfig and LlamaRotaryEmbedding give for the same file."""
+    import json
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    shape = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, vocab_size=97)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "diff_transformer", **shape, **LEGACY_ROPE[fields]}))
+    ours = AutoConfig.from_pretrained(tmp_path)
+    llama = LlamaConfig(**{**shape, "num_attention_heads": 4}, **LEGACY_ROPE[fields])  # Llama's head_dim = our d = 16
+    assert ours.rope_parameters == llama.rope_parameters
+    x, positions = torch.zeros(1, 5, 64), torch.arange(5)[None]
+    got = DiffModel(ours).rotary_emb(x, positions)
+    want = LlamaRotaryEmbedding(llama)(x, positions)
+    for a, b in zip(got, want):
+        assert_close(a, b, torch.float32, f"{fields} rotary cos/sin")

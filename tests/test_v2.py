@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.modeling_diff import CACHE_KWARG, FUSED_IMPLEMENTATION, triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {
@@ -79,7 +79,7 @@ def test_v2_attention_matches_reference(backend, dtype, heads, padded):
         key_valid[1, :4] = 0
     position_ids = torch.arange(12)[None]
     mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=key_valid if padded else None,
-                              past_key_values=None, position_ids=position_ids)
+                              position_ids=position_ids, **{CACHE_KWARG: None})
     out, _ = attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)
     rows = key_valid.bool()
     grad_out = torch.randn_like(out) * rows[..., None]

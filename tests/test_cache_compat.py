@@ -1,0 +1,72 @@
+"""The cache reaches every layer under either argument name, and is never dropped silently (issue #14).
+
+transformers 5.24 renamed the forward argument `past_key_values` to `cache`; a model that reads only one name loses
+the cache under the other, and every decode step then sees one token and no context. Each test here fails then.
+"""
+
+import pytest
+import torch
+from reference import assert_close, tiny_config
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.modeling_diff import CACHE_KWARG, FUSED_IMPLEMENTATION, triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
+BACKENDS = ["eager", "sdpa", pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton)]
+STACKS = {
+    "V1-GQA": dict(num_attention_heads=2, num_key_value_heads=1),
+    "V2": dict(diff_version=2),
+    "hybrid": dict(attention_types=["differential", "standard"]),
+}
+
+
+def build(backend: str, stack: str) -> DiffForCausalLM:
+    torch.manual_seed(0)
+    return DiffForCausalLM._from_config(tiny_config(**STACKS[stack]), attn_implementation=backend).eval()
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+@pytest.mark.parametrize("stack", list(STACKS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_under_either_name_continues_the_sequence(backend, stack, name):
+    """B2: a 6-token prefill then 3 one-token steps through a cache passed as `name`; each step's logits equal the
+    full forward's at that position (fp32 tolerance), and the cache holds every token."""
+    if backend == FUSED_IMPLEMENTATION and stack == "V2":
+        pytest.skip("V2 runs transformers' own attention functions; diff_flash is a V1 kernel")
+    model = build(backend, stack)
+    tokens = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, :6], use_cache=True, **{name: cache}).logits[:, -1]]
+        for t in range(6, 9):
+            steps.append(model(tokens[:, t : t + 1], use_cache=True, **{name: cache}).logits[:, -1])
+    assert cache.get_seq_length() == 9, f"the cache holds {cache.get_seq_length()} of 9 tokens"
+    for step, logits in enumerate(steps):
+        assert_close(logits, full[:, 5 + step], torch.float32, f"{backend} {stack} step {step} via {name}")
+
+
+def test_both_names_at_once_raise():
+    model = build("sdpa", "V1-GQA")
+    with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+        model(torch.tensor([[5, 6]]), cache=DynamicCache(), past_key_values=DynamicCache())
+
+
+@pytest.mark.parametrize("name", ["past", "layer_past", "past_key_value", "my_cache"])
+def test_cache_under_a_foreign_name_raises(name):
+    """A cache object (or a historical cache argument name) that no layer would read is an error, not a no-op."""
+    model = build("sdpa", "V1-GQA")
+    with pytest.raises(TypeError, match="pass the cache as `cache`"):
+        model(torch.tensor([[5, 6]]), **{name: DynamicCache()})
+
+
+def test_output_carries_the_cache_where_transformers_llama_does():
+    """Our outputs name the cache as the installed transformers' own Llama does (`cache` from 5.24 on)."""
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    tokens = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        ours, theirs = build("sdpa", "V1-GQA")(tokens, use_cache=True), llama(tokens, use_cache=True)
+    assert list(ours.keys()) == list(theirs.keys())
+    assert CACHE_KWARG in ours.keys() and ours[CACHE_KWARG].get_seq_length() == 3
