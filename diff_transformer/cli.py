@@ -4,6 +4,7 @@ import argparse
 import random
 import time
 
+import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -20,14 +21,18 @@ from .tokenization_diff import train_bpe_tokenizer
 
 
 class TimeLimit(TrainerCallback):
-    """Stop training after a wall-clock budget (the README's 'train for a few minutes')."""
+    """An optional wall-clock cap on top of the step budget; says so loudly when it cuts training short, since the
+    result then depends on the machine's speed and load."""
 
     def __init__(self, minutes: float):
+        self.minutes = minutes
         self.deadline = time.monotonic() + 60 * minutes
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > self.deadline and state.global_step < state.max_steps:
             control.should_training_stop = True
+            print(f"WARNING: --minutes {self.minutes:g} stopped training at step {state.global_step} of "
+                  f"{state.max_steps}; the model may be undertrained (drop --minutes to train all steps)")
 
 
 def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
@@ -55,6 +60,8 @@ def build_data(args: argparse.Namespace):
 
 
 def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    print(f"training on {args.threads} CPU thread(s) (--threads)")
     set_seed(args.seed)
     task, tokenizer, dataset = build_data(args)
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
@@ -73,7 +80,8 @@ def train(args: argparse.Namespace) -> None:
         seed=args.seed,
         dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[TimeLimit(args.minutes)])
+    callbacks = [] if args.minutes is None else [TimeLimit(args.minutes)]
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     trainer.save_model(args.output)
@@ -91,7 +99,9 @@ def train(args: argparse.Namespace) -> None:
 
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool) -> str:
     generator = pipeline("text-generation", model=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir))
-    outputs = generator(prompt, max_new_tokens=max_new_tokens, do_sample=sample, return_full_text=True)
+    # explicit: transformers 5.17's pipeline cleans up spaces by default ("k9 ? ?" -> "k9??"), newer ones do not
+    outputs = generator(prompt, max_new_tokens=max_new_tokens, do_sample=sample, return_full_text=True,
+                        clean_up_tokenization_spaces=False)
     text = outputs[0]["generated_text"]
     print(f"generated: {text}")
     return text
@@ -101,13 +111,15 @@ def add_train_parser(commands) -> None:
     parser = commands.add_parser("train", help="train a tiny model (default: synthetic key/value retrieval)")
     parser.add_argument("--data", help="a UTF-8 text file; omitted: the built-in synthetic retrieval task")
     parser.add_argument("--output", default="runs/diff-tiny", help="folder for the model and tokenizer")
-    parser.add_argument("--minutes", type=float, default=3.0, help="wall-clock training budget")
-    parser.add_argument("--max-steps", type=int, default=10000)
+    parser.add_argument("--max-steps", type=int, default=10000, help="training budget in optimizer steps")
+    parser.add_argument("--minutes", type=float, help="optional wall-clock cap; warns when it stops training early")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads; a tiny model trains fastest on one, and more oversubscribe a busy machine")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=2, help="differential heads h (head_dim = hidden / 2h)")
+    parser.add_argument("--heads", type=int, default=4, help="differential heads h (head_dim = hidden / 2h)")
     parser.add_argument("--block-size", type=int, default=128, help="sequence length for text files")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary for text files")
     parser.add_argument("--examples", type=int, default=100_000, help="synthetic training sequences")
