@@ -10,21 +10,23 @@ setup(
     packages=["diff_transformer"],
     py_modules=["hub_upload"],
     python_requires=">=3.10",
+    # Tested range: the floor is .ci/floor.txt's, the upper bound the newest release `bash .ci/run` has passed on
+    # (README, "Supported versions"). Raise a bound only after the suite passes under the new release.
     install_requires=[
-        "torch>=2.6",
-        "transformers>=5.0,<6",
-        "safetensors>=0.4",
-        "tokenizers>=0.21",
-        "accelerate>=1.0",
+        "torch>=2.11,<2.14",
+        "transformers>=5.17,<=5.24.0",
+        "safetensors>=0.8",
+        "tokenizers>=0.23.1",
+        "accelerate>=1.10,<=1.15.0",
     ],
     extras_require={
         "triton": ["triton>=3.2"],
         "flash-attn": ["flash-attn>=2.6"],
-        "peft": ["peft>=0.15"],
+        "peft": ["peft>=0.20,<=0.21.2"],
         "hub": ["huggingface_hub>=1.0"],
         "dev": [
             "pytest>=8",
-            "peft>=0.15",
+            "peft>=0.20,<=0.21.2",
             "triton>=3.2",
             "matplotlib>=3.8",
             "nbclient>=0.10",
