@@ -86,10 +86,11 @@ OLD_CACHE_KWARG = "past_key_values"
 
 
 def takes_cache_alias(forward: Callable) -> Callable:
-    """Accept the cache as `past_key_values` too (the name of transformers < 5.24, and of user code written for it).
+    """Accept the cache as `past_key_values` too (the name of transformers < 5.24, and of user code written for it);
+    both names at once is an error.
 
-    transformers' own `deprecate_kwarg` would warn under < 5.24, where `past_key_values` is the library's current name
-    and `generate` passes it, and only warns when both names are set; here both set is an error.
+    Not transformers' `deprecate_kwarg`: under 5.17 `past_key_values` is the library's current name (its `generate`
+    passes it), so a deprecation warning there would be wrong, and its both-names error says it "ignores" one name.
     """
 
     @functools.wraps(forward)
