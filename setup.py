@@ -24,6 +24,7 @@ setup(
         "flash-attn": ["flash-attn>=2.6"],
         "peft": ["peft>=0.20,<=0.21.2"],
         "hub": ["huggingface_hub>=1.0"],
+        "export": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
         "dev": [
             "pytest>=8",
             "peft>=0.20,<=0.21.2",
@@ -33,6 +34,9 @@ setup(
             "nbformat>=5.10",
             "ipykernel>=6",
             "pyyaml>=6",
+            "onnx>=1.23",
+            "onnxscript>=0.7",
+            "onnxruntime>=1.32",
         ],
     },
     entry_points={"console_scripts": ["diff-transformer=diff_transformer.cli:main"]},

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
-    eager_attention_forward,
+    repeat_kv,
 )
 from transformers.utils import can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
@@ -234,9 +234,9 @@ def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     a1, a2 = (p.reshape(batch, -1, length, keys) for p in probs.unbind(0))  # [B, h, T, S]
     if module.branch_maps is not None:
         module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
-    diff_map = differential_map(probs, lam)  # [B, h_kv, n_rep, T, S]
-    out = torch.matmul(diff_map, v.float().unsqueeze(2))  # [B, h_kv, n_rep, T, dv]
-    return out.flatten(1, 2).transpose(1, 2), diff_map.view(batch, -1, length, keys).to(q.dtype)
+    diff_map = differential_map(probs, lam).view(batch, -1, length, keys)  # [B, h, T, S], returned: on the grad path
+    out = torch.matmul(diff_map.view(*probs.shape[1:]), v.float().unsqueeze(2))  # [B, h_kv, n_rep, T, dv]
+    return out.flatten(1, 2).transpose(1, 2), diff_map.to(q.dtype)
 
 
 def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
@@ -276,8 +276,10 @@ def interface_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kw
     With sdpa, a decode step (T = 1) is one call for both branches (`sdpa_decode_step`), and on CPU long inputs
     run `tiled_diff_attention` where it pays (`tiled_pays`): torch's CPU flash kernel needs equal q/k/v widths, so
     two calls cost 2x Llama's attention FLOPs where the tiled kernel needs 1x (benchmarks/RESULTS.md).
+    Traced code (torch.compile, torch.export, ONNX) always takes the per-branch calls: a choice by length would
+    become a shape guard that limits the exported sequence length.
     """
-    if module.config._attn_implementation == "sdpa":
+    if module.config._attn_implementation == "sdpa" and not is_torchdynamo_compiling():
         if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
             return sdpa_decode_step(q, k, v, lam, attention_mask, scaling), None
         if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_pays(q)):
@@ -376,6 +378,21 @@ class DiffAttention(nn.Module):
         return out, attn_map
 
 
+@autocast_off
+def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
+    """DIFF V2 with materialised maps: softmax of the 2h heads in fp32, head pair (2j, 2j+1) differenced with the
+    per-token gate, A_2j - gate_j A_2j+1, times the pair's V. Returns (out [B, T, h, d] fp32, map [B, h, T, S])."""
+    batch, _, length, _ = q.shape
+    k = repeat_kv(k, module.num_key_value_groups)  # [B, 2h, S, d]
+    v = repeat_kv(v, module.num_key_value_groups // 2)  # [B, h, S, d]: a pair shares its kv head
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scaling  # [B, 2h, T, S]
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : k.shape[-2]]
+    pairs = torch.softmax(scores, dim=-1).view(batch, -1, 2, length, k.shape[-2])  # [B, h, pair, T, S]
+    diff_map = pairs[:, :, 0] - gate.transpose(1, 2)[..., None] * pairs[:, :, 1]  # [B, h, T, S]
+    return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
+
+
 class DiffV2Attention(nn.Module):
     """DIFF V2: one attention call over 2h heads of dim d; head pair (2j, 2j+1) gives
     out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1. No SubLN, no (1 - lambda_init)."""
@@ -413,14 +430,14 @@ class DiffV2Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        attn = attn.view(batch, length, self.num_heads, 2, self.head_dim)  # [B, T, h, pair, d]
         gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]
-        out = attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float()
-        if weights is not None:  # eager: differential map per head, A_2j - gate_j A_2j+1
-            pairs = weights.view(batch, self.num_heads, 2, length, -1)
-            weights = pairs[:, :, 0] - gate.transpose(1, 2)[..., None].to(weights.dtype) * pairs[:, :, 1]
+        if self.config._attn_implementation == "eager":
+            out, weights = eager_v2_attention(self, q, k, v, gate, attention_mask, self.scaling)
+        else:
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
+            attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+            attn = attn.view(batch, length, self.num_heads, 2, self.head_dim)  # [B, T, h, pair, d]
+            out = attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float()
         out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
         return out, weights
 
@@ -455,6 +472,28 @@ def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
 
 
 ATTENTION_CLASSES = (DiffAttention, DiffV2Attention, DiffStandardAttention)
+
+
+def cache_shapes(config: DiffConfig) -> tuple[list[int], list[int]] | None:
+    """Per layer (kv heads, width) of the cached keys and values, or None where a layer's keys and values differ in
+    width (V1 with value_head_dim != 2 head_dim), which transformers' early cache allocation cannot express.
+
+    transformers allocates a static cache from the config as (num_key_value_heads, head_dim) for keys and values,
+    but a differential layer caches its keys packed (k1 | k2), 2 head_dim wide, and a standard layer of a hybrid
+    stack has value_head_dim / head_dim times the kv heads.
+    """
+    d, dv, h_kv = config.head_dim, config.value_head_dim, config.num_key_value_heads
+    heads, widths = [], []
+    for kind in config.attention_types:
+        if kind == "standard":
+            heads.append(h_kv * dv // d), widths.append(d)
+        elif config.diff_version == 2:
+            heads.append(h_kv), widths.append(d)
+        elif dv == 2 * d:
+            heads.append(h_kv), widths.append(2 * d)
+        else:
+            return None
+    return heads, widths
 
 
 class DiffDecoderLayer(GradientCheckpointingLayer):
@@ -499,7 +538,7 @@ class DiffPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": ATTENTION_CLASSES}
+    _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": list(ATTENTION_CLASSES)}
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -607,6 +646,14 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _get_static_cache_init_shape(self) -> tuple[list[int], list[int]] | None:
+        """Shapes for `generate`'s early static-cache allocation (chunked prefill): the model's (`cache_shapes`), not
+        the config's num_key_value_heads x head_dim. None (lazy allocation) under tensor parallelism or layers spread
+        over devices, as transformers does."""
+        if len(set(getattr(self, "hf_device_map", {0: None}).values())) > 1 or (getattr(self, "_tp_size", None) or 1) > 1:
+            return None
+        return cache_shapes(self.config)
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""

@@ -22,6 +22,23 @@ def tiny_config(**overrides) -> DiffConfig:
     return DiffConfig(**fields)
 
 
+# The three attention stacks every contract test covers: V1 with GQA, DIFF V2, and a hybrid V1 + standard stack.
+STACKS = {
+    "V1-GQA": dict(num_attention_heads=2, num_key_value_heads=1),
+    "V2": dict(diff_version=2),
+    "hybrid": dict(attention_types=["differential", "standard"]),
+}
+
+
+def build_stack(backend: str, stack: str, seed: int = 0, **overrides):
+    """A seeded tiny `DiffForCausalLM` of one of `STACKS`, in eval mode."""
+    from diff_transformer import DiffForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(**STACKS[stack], **overrides)
+    return DiffForCausalLM._from_config(config, attn_implementation=backend).eval()
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     atol, rtol = TOLERANCES[dtype]
     actual, expected = actual.double(), expected.double()

@@ -6,24 +6,13 @@ the cache under the other, and every decode step then sees one token and no cont
 
 import pytest
 import torch
-from reference import assert_close, tiny_config
+from reference import STACKS, assert_close, build_stack
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from diff_transformer import DiffForCausalLM
 from diff_transformer.modeling_diff import CACHE_KWARG, FUSED_IMPLEMENTATION, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 BACKENDS = ["eager", "sdpa", pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton)]
-STACKS = {
-    "V1-GQA": dict(num_attention_heads=2, num_key_value_heads=1),
-    "V2": dict(diff_version=2),
-    "hybrid": dict(attention_types=["differential", "standard"]),
-}
-
-
-def build(backend: str, stack: str) -> DiffForCausalLM:
-    torch.manual_seed(0)
-    return DiffForCausalLM._from_config(tiny_config(**STACKS[stack]), attn_implementation=backend).eval()
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
@@ -32,7 +21,7 @@ def build(backend: str, stack: str) -> DiffForCausalLM:
 def test_cache_under_either_name_continues_the_sequence(backend, stack, name):
     """B2: a 6-token prefill then 3 one-token steps through a cache passed as `name`; each step's logits equal the
     full forward's at that position (fp32 tolerance), and the cache holds every token."""
-    model = build(backend, stack)
+    model = build_stack(backend, stack)
     tokens = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens, use_cache=False).logits
@@ -46,7 +35,7 @@ def test_cache_under_either_name_continues_the_sequence(backend, stack, name):
 
 
 def test_both_names_at_once_raise():
-    model = build("sdpa", "V1-GQA")
+    model = build_stack("sdpa", "V1-GQA")
     with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
         model(torch.tensor([[5, 6]]), cache=DynamicCache(), past_key_values=DynamicCache())
 
@@ -54,7 +43,7 @@ def test_both_names_at_once_raise():
 @pytest.mark.parametrize("name", ["past", "layer_past", "past_key_value", "my_cache"])
 def test_cache_under_a_foreign_name_raises(name):
     """A cache object (or a historical cache argument name) that no layer would read is an error, not a no-op."""
-    model = build("sdpa", "V1-GQA")
+    model = build_stack("sdpa", "V1-GQA")
     with pytest.raises(TypeError, match="pass the cache as `cache`"):
         model(torch.tensor([[5, 6]]), **{name: DynamicCache()})
 
@@ -65,6 +54,6 @@ def test_output_carries_the_cache_where_transformers_llama_does():
                                          num_attention_heads=2, num_key_value_heads=2))
     tokens = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        ours, theirs = build("sdpa", "V1-GQA")(tokens, use_cache=True), llama(tokens, use_cache=True)
+        ours, theirs = build_stack("sdpa", "V1-GQA")(tokens, use_cache=True), llama(tokens, use_cache=True)
     assert list(ours.keys()) == list(theirs.keys())
     assert CACHE_KWARG in ours.keys() and ours[CACHE_KWARG].get_seq_length() == 3
