@@ -20,14 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig
-from diff_transformer.modeling_diff import (
-    FUSED_IMPLEMENTATION,
-    branch_calls,
-    eager_diff_attention,
-    fused_diff_attention,
-    interface_diff_attention,
-    triton_available,
-)
+from diff_transformer.modeling_diff import DIFF_KERNELS, FUSED_IMPLEMENTATION, select_kernel, triton_available
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -43,7 +36,6 @@ class Layer:
         self.num_key_value_groups = kv_groups
         self.is_causal = True
         self.training = True
-        self.branch_maps = None
 
 
 def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype):
@@ -55,11 +47,10 @@ def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype):
     return q, k, v, lam
 
 
-def two_sdpa_calls(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """sdpa's route on GPU (one torch sdpa call per branch); on CPU sdpa runs the tiled kernel instead."""
-    outs = [sdpa_attention_forward(module, *calls[0], attention_mask, scaling=scaling)[0].float()
-            for calls in branch_calls(q, k, v)]
-    return outs[0] - lam * outs[1], None
+def diff_attention(module, q, k, v, lam, attention_mask, scaling):
+    """What `DiffAttention.forward` runs for the module's backend on these inputs (`select_kernel`)."""
+    kernel = DIFF_KERNELS[select_kernel(module.config._attn_implementation, q, k, v)]
+    return kernel(module, q, k, v, lam, attention_mask, scaling)
 
 
 def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: int, seq: int, dtype: torch.dtype):
@@ -128,18 +119,18 @@ def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
     reference = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False)
     out: dict = {"standard sdpa (2h heads of d)": reference}
-    out["eager"] = v1_case(config, "eager", eager_diff_attention, batch, seq, dtype)
-    out["sdpa" if CUDA else "sdpa (CPU: tiled kernel)"] = v1_case(config, "sdpa", interface_diff_attention, batch,
-                                                                 seq, dtype)
+    out["eager"] = v1_case(config, "eager", diff_attention, batch, seq, dtype)
+    out["sdpa" if CUDA else "sdpa (CPU: tiled kernel)"] = v1_case(config, "sdpa", diff_attention, batch, seq, dtype)
     if not CUDA:
-        out["two torch sdpa calls (sdpa's GPU route)"] = v1_case(config, "sdpa", two_sdpa_calls, batch, seq, dtype)
+        out["two torch sdpa calls (sdpa's GPU route)"] = v1_case(config, "sdpa", DIFF_KERNELS["standard_calls"],
+                                                                 batch, seq, dtype)
     flash_ok = CUDA and importlib.util.find_spec("flash_attn") is not None
-    out["flash_attention_2"] = (v1_case(config, "flash_attention_2", interface_diff_attention, batch, seq, dtype)
+    out["flash_attention_2"] = (v1_case(config, "flash_attention_2", diff_attention, batch, seq, dtype)
                                 if flash_ok else "needs CUDA and flash-attn")
-    out["flex_attention"] = (v1_case(config, "flex_attention", interface_diff_attention, batch, seq, dtype)
+    out["flex_attention"] = (v1_case(config, "flex_attention", diff_attention, batch, seq, dtype)
                              if CUDA else "needs CUDA (no flex backward on CPU; CPU compile is slow)")
     ok, reason = triton_available()
-    out[FUSED_IMPLEMENTATION] = (v1_case(config, FUSED_IMPLEMENTATION, fused_diff_attention, batch, seq, dtype)
+    out[FUSED_IMPLEMENTATION] = (v1_case(config, FUSED_IMPLEMENTATION, diff_attention, batch, seq, dtype)
                                  if CUDA and ok else reason if CUDA else "needs CUDA")
     out["DIFF V2 (sdpa)"] = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, h_kv, True)
     return out

@@ -10,7 +10,7 @@ ATTENTION_TYPES = ("differential", "standard")
 
 class DiffConfig(PreTrainedConfig):
     r"""
-    Configuration of a Llama-style decoder with differential attention (DESIGN.md §1).
+    Configuration of a Llama-style decoder with differential attention (docs/design.md §1).
 
     Differential fields (the rest follow `LlamaConfig`):
         num_attention_heads (`int`): differential heads h. Each has two q/k sub-heads of dim `head_dim`.

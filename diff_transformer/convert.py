@@ -1,4 +1,4 @@
-"""Checkpoint conversion into the Differential Transformer (Ye et al., arXiv 2410.05258) layout of DESIGN.md §2.
+"""Checkpoint conversion into the Differential Transformer (Ye et al., arXiv 2410.05258) layout of docs/design.md §2.
 
 Two paths:
 

@@ -7,16 +7,17 @@ A Llama-style decoder whose softmax attention is replaced by differential attent
     out_j  = (1 - lambda_init) SubLN(head_j)
     lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init
 
-Tensor layout of the attention kernels (every backend in `DIFF_ATTENTION_FUNCTIONS` takes the same):
+Tensor layout of the differential kernels (every entry of `DIFF_KERNELS` takes the same; `select_kernel` picks one;
+docs/design.md):
 
-    q      : [B, 2h, T, d]       projected, rotated queries, "halves" order (DESIGN.md §2): q1 = q[:, :h], q2 = q[:, h:]
+    q      : [B, 2h, T, d]       projected, rotated queries, "halves" order: q1 = q[:, :h], q2 = q[:, h:]
     k      : [B, h_kv, S, 2d]    cached keys packed per kv head as (k1 | k2): k1 = k[..., :d], k2 = k[..., d:]
     v      : [B, h_kv, S, dv]
     lam    : 0-dim fp32 tensor
     return : ([B, T, h, dv] fp32 difference, attention map or None)
 
-Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share the head count that transformers'
-static cache allocates for both, both branches read their keys as zero-copy views, and (with dv = 2d) a
+Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share one head count (one cache layer per
+attention layer, `cache_shapes`), both branches read their keys as zero-copy views, and (with dv = 2d) a
 zero-padded query attends to the packed keys in one standard-attention call per branch (`branch_calls`).
 """
 
@@ -25,6 +26,8 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -50,15 +53,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
-from .tiled_diff_attention import (
-    autocast_off,
-    branch_mask,
-    branch_probs,
-    branch_views,
-    differential_map,
-    tiled_diff_attention,
-    tiled_pays,
-)
+from .tiled_diff_attention import autocast_off, tiled_diff_attention, tiled_pays
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -224,19 +219,36 @@ def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]
     return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
 
 
+def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """fp32 scores q k^T * scaling [B, H, T, S] with transformers' mask (boolean or additive; None: causal, the
+    queries being the last T keys). Masked scores get a finite fill, so a fully masked row's softmax is uniform
+    instead of NaN."""
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scaling
+    fill = torch.finfo(scores.dtype).min
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - q.shape[2])
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask[..., : k.shape[2]], fill)
+    mask = mask[..., : k.shape[2]]
+    return scores + (mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask).to(scores.dtype)
+
+
+# `capture_branch_attentions` collects (A1, A2, lambda) of every eager differential layer here.
+BRANCH_MAPS: ContextVar[list | None] = ContextVar("diff_branch_maps", default=None)
+
+
 @autocast_off
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Materialises A1 and A2 in fp32 (one tile of tiled_diff_attention.py, both branches in one matmul); the only
-    backend that returns the differential map A1 - lambda A2."""
-    batch, length, keys = q.shape[0], q.shape[2], k.shape[2]
-    q6, kt5 = branch_views(q, k, scaling)
-    probs = branch_probs(q6, kt5, branch_mask(attention_mask, k.shape[1]))  # [2, B, h_kv, n_rep, T, S]
-    a1, a2 = (p.reshape(batch, -1, length, keys) for p in probs.unbind(0))  # [B, h, T, S]
-    if module.branch_maps is not None:
-        module.branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
-    diff_map = differential_map(probs, lam).view(batch, -1, length, keys)  # [B, h, T, S], returned: on the grad path
-    out = torch.matmul(diff_map.view(*probs.shape[1:]), v.float().unsqueeze(2))  # [B, h_kv, n_rep, T, dv]
-    return out.flatten(1, 2).transpose(1, 2), diff_map.to(q.dtype)
+    """The specification the other kernels are tested against: both softmax maps in fp32, their difference
+    A1 - lambda A2, times V. Returns (out [B, T, h, dv] fp32, the differential map [B, h, T, S])."""
+    q1, q2, k1, k2 = split_branches(q, k)
+    k1, k2, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, k2, v))  # [B, h, S, .]
+    a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
+    a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)
+    if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
+        branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
+    diff_map = a1 - lam * a2
+    return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
 
 
 def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
@@ -255,41 +267,34 @@ def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list
     return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
 
 
-def sdpa_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask, scaling: float):
-    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: per kv head, both branches' zero-padded queries [q1, 0]
-    and [0, q2] of its n_rep heads attend the packed keys as 2 n_rep query rows (a decode step's single row sees
-    every key, and its [B, 1, 1, S] mask broadcasts over the rows). torch's sdpa is called directly because
-    transformers' wrapper expects h query heads of one row. Returns [B, 1, h, dv] fp32."""
-    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]
-    q5 = q.reshape(batch, 2, h_kv, -1, d).transpose(1, 2)  # [B, h_kv, branch, n_rep, d]
-    padded = q.new_zeros(*q5.shape[:-1], 2, d)  # [B, h_kv, branch, n_rep, half, d]
-    padded.diagonal(dim1=2, dim2=-2).copy_(q5.movedim(2, -1))  # query of branch b in half b: [q1, 0] and [0, q2]
-    padded = padded.view(batch, h_kv, -1, 2 * d)  # [B, h_kv, 2 n_rep, 2d], rows ordered (branch, n_rep)
-    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=mask, scale=scaling)  # [B, h_kv, 2 n_rep, dv]
-    out = out.float().view(batch, h_kv, 2, -1, dv)  # [B, h_kv, branch, n_rep, dv]
-    return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1).view(batch, 1, -1, dv)
-
-
-def interface_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Standard attention through transformers' attention interface (sdpa, flex, flash), once per branch.
-
-    With sdpa, a decode step (T = 1) is one call for both branches (`sdpa_decode_step`), and on CPU long inputs
-    run `tiled_diff_attention` where it pays (`tiled_pays`): torch's CPU flash kernel needs equal q/k/v widths, so
-    two calls cost 2x Llama's attention FLOPs where the tiled kernel needs 1x (benchmarks/RESULTS.md).
-    Traced code (torch.compile, torch.export, ONNX) always takes the per-branch calls: a choice by length would
-    become a shape guard that limits the exported sequence length.
-    """
-    if module.config._attn_implementation == "sdpa" and not is_torchdynamo_compiling():
-        if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
-            return sdpa_decode_step(q, k, v, lam, attention_mask, scaling), None
-        if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_pays(q)):
-            return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
-    attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+def standard_attention_calls(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """Two standard-attention calls per branch through transformers' attention interface (sdpa, flash, flex)."""
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, sdpa_attention_forward)
     branch_outputs = []
     for calls in branch_calls(q, k, v):
         parts = [attend(module, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
         branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h, dv]
     return branch_outputs[0] - lam * branch_outputs[1], None
+
+
+def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: per kv head, both branches' zero-padded queries [q1, 0]
+    and [0, q2] of its n_rep heads attend the packed keys as 2 n_rep query rows (a decode step's single row sees
+    every key, and its [B, 1, 1, S] mask broadcasts over the rows). torch's sdpa is called directly because
+    transformers' wrapper expects h query heads of one row."""
+    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]
+    q_BKbRD = q.reshape(batch, 2, h_kv, -1, d).transpose(1, 2)  # [B, h_kv, branch, n_rep, d]
+    padded = q.new_zeros(*q_BKbRD.shape[:-1], 2, d)  # [B, h_kv, branch, n_rep, half, d]
+    padded.diagonal(dim1=2, dim2=-2).copy_(q_BKbRD.movedim(2, -1))  # branch b's query in half b: [q1, 0], [0, q2]
+    padded = padded.view(batch, h_kv, -1, 2 * d)  # [B, h_kv, 2 n_rep, 2d], rows ordered (branch, n_rep)
+    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=attention_mask, scale=scaling)  # [B, h_kv, 2n_rep, dv]
+    out = out.float().view(batch, h_kv, 2, -1, dv)  # [B, h_kv, branch, n_rep, dv]
+    return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1).view(batch, 1, -1, dv), None
+
+
+def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """Both branches of a tile of query rows in one softmax and one product with V (tiled_diff_attention.py)."""
+    return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
 
 
 def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
@@ -308,14 +313,33 @@ def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     return out.transpose(1, 2).float(), None
 
 
-DIFF_ATTENTION_FUNCTIONS: dict[str, Callable] = {
-    "eager": eager_diff_attention,
-    FUSED_IMPLEMENTATION: fused_diff_attention,
+# The differential kernels. Each takes (module, q, k, v, lam, attention_mask, scaling, **kwargs) in the layout of
+# the module docstring and returns (out [B, T, h, dv] fp32, the differential map or None); `select_kernel` picks one.
+DIFF_KERNELS: dict[str, Callable] = {
+    "eager": eager_diff_attention,  # the spec; the only one that returns the map
+    "sdpa_decode_step": sdpa_decode_step,  # T = 1: both branches in one torch sdpa call
+    "tiled": tiled_kernel,  # CPU, T > 128: Llama's FLOPs instead of two calls' 2x (benchmarks/RESULTS.md)
+    "standard_calls": standard_attention_calls,  # the user's sdpa / flash / flex kernel, twice
+    FUSED_IMPLEMENTATION: fused_diff_attention,  # Triton, one pass for both branches
 }
 
 
+def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
+    torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard."""
+    if implementation in ("eager", FUSED_IMPLEMENTATION):
+        return implementation
+    if implementation != "sdpa" or is_torchdynamo_compiling():
+        return "standard_calls"
+    if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
+        return "sdpa_decode_step"
+    if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_pays(q)):
+        return "tiled"
+    return "standard_calls"
+
+
 class DiffAttention(nn.Module):
-    """Differential multi-head attention (paper §2.1), V1 weight layout of DESIGN.md §2."""
+    """Differential multi-head attention (paper §2.1), V1 weight layout of docs/design.md."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
@@ -338,7 +362,6 @@ class DiffAttention(nn.Module):
         self.use_subln = config.use_subln
         self.subln = SubLNRMSNorm(dv, config.rms_norm_eps) if config.use_subln else nn.Identity()
         self.set_lambda_init(lambda_init)
-        self.branch_maps: list | None = None
 
     def set_lambda_init(self, value: float) -> None:
         """lambda_init enters lambda and, with SubLN, the output scale 1 - lambda_init."""
@@ -369,10 +392,8 @@ class DiffAttention(nn.Module):
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attend = DIFF_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, interface_diff_attention)
-        out, attn_map = attend(
-            self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs
-        )  # out [B, T, h, dv] fp32
+        kernel = DIFF_KERNELS[select_kernel(self.config._attn_implementation, q, k, v)]
+        out, attn_map = kernel(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
         out = self.subln(out, self.output_scale) if self.use_subln else out  # SubLN per head, in fp32
         out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
         return out, attn_map
@@ -383,11 +404,9 @@ def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
     """DIFF V2 with materialised maps: softmax of the 2h heads in fp32, head pair (2j, 2j+1) differenced with the
     per-token gate, A_2j - gate_j A_2j+1, times the pair's V. Returns (out [B, T, h, d] fp32, map [B, h, T, S])."""
     batch, _, length, _ = q.shape
-    k = repeat_kv(k, module.num_key_value_groups)  # [B, 2h, S, d]
-    v = repeat_kv(v, module.num_key_value_groups // 2)  # [B, h, S, d]: a pair shares its kv head
-    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scaling  # [B, 2h, T, S]
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : k.shape[-2]]
+    k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, 2h, S, d]
+    v = repeat_kv(v, q.shape[1] // 2 // v.shape[1])  # [B, h, S, d]: a pair shares its kv head
+    scores = masked_scores(q, k, attention_mask, scaling)  # [B, 2h, T, S]
     pairs = torch.softmax(scores, dim=-1).view(batch, -1, 2, length, k.shape[-2])  # [B, h, pair, T, S]
     diff_map = pairs[:, :, 0] - gate.transpose(1, 2)[..., None] * pairs[:, :, 1]  # [B, h, T, S]
     return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
@@ -443,24 +462,20 @@ class DiffV2Attention(nn.Module):
 
 
 class DiffStandardAttention(LlamaAttention):
-    """Plain softmax attention for hybrid stacks: `h * dv / d` heads of dim d (Llama's forward, reused)."""
+    """Llama attention for hybrid stacks, with `h * dv / d` heads of dim d: the projection shapes of a differential
+    layer when dv = 2d. Llama's `__init__` builds it from those head counts; its `config` stays the model's, whose
+    backend `set_attn_implementation` switches."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
-        nn.Module.__init__(self)
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
         widen = config.value_head_dim // config.head_dim
-        num_heads, num_kv_heads = config.num_attention_heads * widen, config.num_key_value_heads * widen
-        self.num_key_value_groups = num_heads // num_kv_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = 0.0
-        self.is_causal = True
-        hidden, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(num_heads * d, hidden, bias=config.attention_out_bias)
+        heads = SimpleNamespace(
+            hidden_size=config.hidden_size, head_dim=config.head_dim, attention_dropout=0.0,
+            num_attention_heads=config.num_attention_heads * widen,
+            num_key_value_heads=config.num_key_value_heads * widen, attention_bias=config.attention_bias,
+        )
+        super().__init__(heads, layer_idx)
+        self.config = config
+        self.o_proj = nn.Linear(self.o_proj.in_features, config.hidden_size, bias=config.attention_out_bias)
 
 
 def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
@@ -568,8 +583,14 @@ class DiffPreTrainedModel(PreTrainedModel):
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Out-of-range ids otherwise crash inside the embedding with an opaque index error (or a CUDA assert)."""
+    """Out-of-range ids otherwise crash inside the embedding with an opaque index error (or a CUDA assert).
+
+    The check reads the ids' range on the host, a device sync off the CPU; a one-token step on an accelerator (a
+    decode step, whose token the model itself chose) skips it, so GPU decoding runs without host syncs.
+    """
     if is_torchdynamo_compiling() or input_ids.numel() == 0:
+        return
+    if input_ids.device.type != "cpu" and input_ids.shape[-1] == 1:
         return
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
@@ -706,22 +727,38 @@ def differential_layers(model: nn.Module) -> list[DiffAttention]:
 
 @contextmanager
 def capture_branch_attentions(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Collect (A1, A2, lambda) of every differential layer during forwards inside the block (eager only).
+    """Collect (A1 [B, h, T, S], A2, lambda) of every differential layer, in layer order, during forwards of `model`
+    inside the block. Only `eager` materialises the maps.
 
     The maps are released when the caller drops the yielded list; nothing is held between calls otherwise.
     """
-    layers = differential_layers(model)
+    if differential_layers(model) and model.config._attn_implementation != "eager":
+        raise ValueError(
+            f"capture_branch_attentions needs the eager backend, the only one that forms A1 and A2; this model uses "
+            f"'{model.config._attn_implementation}': load it with attn_implementation='eager' or call "
+            "model.set_attn_implementation('eager')"
+        )
     maps: list = []
-    for layer in layers:
-        layer.branch_maps = maps
+    token = BRANCH_MAPS.set(maps)
     try:
         yield maps
     finally:
-        for layer in layers:
-            layer.branch_maps = None
+        BRANCH_MAPS.reset(token)
 
 
-ALL_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_attention_forward)
+def diff_flash_standard_attention(module: nn.Module, *args, **kwargs):
+    """What `diff_flash` runs in layers without V1 differential attention (DIFF V2, standard layers of a hybrid
+    stack): sdpa. Registered under our name so that transformers accepts `attn_implementation="diff_flash"`; any
+    other model that asks for it gets this error instead of a silent substitute."""
+    if not isinstance(module, ATTENTION_CLASSES):
+        raise ValueError(
+            f"attn_implementation='{FUSED_IMPLEMENTATION}' is the Differential Transformer's fused kernel and has no "
+            f"meaning for {type(module).__name__}; use 'sdpa', 'eager' or another transformers backend"
+        )
+    return sdpa_attention_forward(module, *args, **kwargs)
+
+
+ALL_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, diff_flash_standard_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_mask)
 
 __all__ = [

@@ -1,6 +1,6 @@
-"""Independent fp64 reference of differential attention, written from DESIGN.md §1 (arXiv 2410.05258), per head.
+"""Independent fp64 reference of differential attention, written from docs/design.md §1 (arXiv 2410.05258), per head.
 
-It reads raw weight matrices only (no model code), so it checks the row layout of DESIGN.md §2 as well.
+It reads raw weight matrices only (no model code), so it checks the row layout of docs/design.md §2 as well.
 """
 
 import math

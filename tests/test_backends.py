@@ -211,14 +211,14 @@ def test_fused_kernel_receives_expected_masks(monkeypatch):
     """How the sdpa mask reaches diff_flash: None (no padding: prefill T == S, decode T == 1), bool [B, 1, T, S]
     (left padding; static-cache decode). With a static cache the skipped prefill mask comes with S > T."""
     seen = []
-    fused = modeling_diff.DIFF_ATTENTION_FUNCTIONS[FUSED_IMPLEMENTATION]
+    fused = modeling_diff.DIFF_KERNELS[FUSED_IMPLEMENTATION]
 
     def spy(module, q, k, v, lam, attention_mask, scaling, **kwargs):
         mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
         seen.append((q.shape[2], k.shape[2], mask))
         return fused(module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
-    monkeypatch.setitem(modeling_diff.DIFF_ATTENTION_FUNCTIONS, FUSED_IMPLEMENTATION, spy)
+    monkeypatch.setitem(modeling_diff.DIFF_KERNELS, FUSED_IMPLEMENTATION, spy)
     model = build(FUSED_IMPLEMENTATION)
     tokens, mask = batch_and_mask(padded=True, length=6)
     model.generate(tokens, max_new_tokens=2, do_sample=False)

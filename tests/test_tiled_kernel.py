@@ -164,7 +164,7 @@ DECODE_CASES = [CASES[4], CASES[5], Case(2, 1, 29, 4, 1, 16, 128, "causal")]  # 
 def test_sdpa_decode_step_matches_reference(case: Case, dtype: torch.dtype):
     """The one-call decode step of the sdpa backend: per kv head, the padded queries of both branches as rows."""
     q, k, v, lam = (t.detach() for t in make_leaves(case, dtype))
-    got = sdpa_decode_step(q, k, v, lam, make_mask(case), case.D**-0.5)
+    got, _ = sdpa_decode_step(None, q, k, v, lam, make_mask(case), case.D**-0.5)
     expected = reference(case, [t.double() for t in (q, k, v, lam)])
     assert got.dtype == torch.float32
     tol = DECODE_TOL[dtype]

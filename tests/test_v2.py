@@ -1,4 +1,4 @@
-"""DIFF V2 (diff_version=2) against an independent fp64 reference written from DESIGN.md §1, per head."""
+"""DIFF V2 (diff_version=2) against an independent fp64 reference written from docs/design.md §1, per head."""
 
 import math
 
