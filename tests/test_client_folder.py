@@ -55,8 +55,9 @@ def client_script(folder: Path, prompt: str, chat: bool) -> str:
     pipeline_input = [{"role": "user", "content": prompt}] if chat else prompt
     return f"""
         import json
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
         tokenizer = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        plain = PreTrainedTokenizerFast.from_pretrained({str(folder)!r})  # reads only the tokenizer files
         print("TOKENIZER_LOADED")
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, pipeline
@@ -73,6 +74,7 @@ def client_script(folder: Path, prompt: str, chat: bool) -> str:
             "model": type(model).__module__,
             "lora": sorted({{n.rsplit(".", 1)[-1] for n, m in lora.named_modules() if hasattr(m, "lora_A")}}),
             "prompt_ids": prompt_ids,
+            "plain_tokenizer_agrees": plain({prompt!r})["input_ids"] == tokenizer({prompt!r})["input_ids"],
             "generated": generator({pipeline_input!r}, return_tensors=True)[0]["generated_token_ids"],
             "greedy": generator({pipeline_input!r}, return_tensors=True, do_sample=False)[0]["generated_token_ids"],
             "chat_reply": generator({pipeline_input!r})[0]["generated_text"][-1] if {chat} else None,
@@ -84,7 +86,7 @@ def client_script(folder: Path, prompt: str, chat: bool) -> str:
 def client_results(folder: Path, prompt: str, chat: bool, tmp_path: Path) -> dict:
     output = run_without_package(client_script(folder, prompt, chat), tmp_path)
     before_tokenizer = output.split("TOKENIZER_LOADED")[0].strip()
-    assert not before_tokenizer, f"AutoTokenizer.from_pretrained printed:\n{before_tokenizer}"
+    assert not before_tokenizer, f"loading the tokenizer printed:\n{before_tokenizer}"
     return json.loads(output.split("RESULT ", 1)[1])
 
 
@@ -121,6 +123,7 @@ def test_cli_folder_in_client_without_package(cli_folder, tmp_path):
     assert result["tokenizer"].startswith("transformers."), f"tokenizer from custom code: {result['tokenizer']}"
     assert result["model"].startswith("transformers_modules."), result["model"]
     assert result["lora"] == sorted(LORA_TARGET_MODULES), result["lora"]
+    assert result["plain_tokenizer_agrees"], "PreTrainedTokenizerFast.from_pretrained encodes differently"
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert result["prompt_ids"] == encode_example(tokenizer, PROMPT), "the client's prompt is not the training format"
