@@ -3,7 +3,8 @@
     python hub_upload.py MODEL_DIR REPO_ID [--dry-run] [--private] [--license apache-2.0]
 
 Writes a model card (README.md), makes sure `auto_map` and the model code are in the folder so that it loads with
-`trust_remote_code=True` and no `diff_transformer` install, checks exactly that in a clean subprocess, then uploads.
+`trust_remote_code=True` and no `diff_transformer` install, sets the defaults clients expect (`use_cache: true`, a
+generation_config.json that stops within the context), checks the client calls in a clean subprocess, then uploads.
 The token comes from HF_TOKEN or `hf auth login`; it is never printed or written anywhere.
 """
 
@@ -19,9 +20,11 @@ import textwrap
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_relative_import_files
 
 import diff_transformer
+from diff_transformer.folder_defaults import generation_defaults
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -69,7 +72,17 @@ def install_remote_code(model_dir: Path, config: dict) -> None:
     for source in {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}:
         shutil.copyfile(source, model_dir / source.name)
     config["auto_map"] = {**config.get("auto_map", {}), **auto_map()}
+    config["use_cache"] = True  # Trainer saves False; clients (and ExecuTorch's export) expect the cache on
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def install_generation_config(model_dir: Path) -> None:
+    """generation_config.json with the model's special tokens and a length within the context, where it lacks them."""
+    if (model_dir / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(model_dir)
+    else:
+        generation = GenerationConfig()
+    generation_defaults(generation, diff_transformer.DiffConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def base_model(config: dict) -> str | None:
@@ -94,6 +107,7 @@ def training_details(model_dir: Path) -> str:
 
 
 def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> ModelCard:
+    generation = GenerationConfig.from_pretrained(model_dir)
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -114,13 +128,24 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
 
         ## How to use
 
-        Without installing anything but `transformers` (the model code ships in this repository):
+        Without installing anything but `transformers` (the model code ships in this repository; `AutoTokenizer`
+        reads `config.json`, so it takes the same flag, and loads transformers' standard fast tokenizer):
 
         ```python
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-        tokenizer = AutoTokenizer.from_pretrained("{repo}")
+        tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
         model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+        generator = pipeline("text-generation", model="{repo}", trust_remote_code=True)
+        generator("Hello")  # generation_config.json: at most {max_length} tokens, prompt included
+        ```
+
+        LoRA without naming targets (the model code registers them with PEFT: q/k/v/o and gate/up/down projections):
+
+        ```python
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16))
         ```
 
         With the `diff_transformer` package installed, no remote code is needed:
@@ -138,20 +163,24 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         {training}
         """)
     text = body.format(
-        name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir)
+        name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir),
+        max_length=generation.max_length,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
 
 def check_remote_loading(model_dir: Path) -> str:
-    """Load with trust_remote_code in a fresh interpreter where `diff_transformer` cannot be imported."""
+    """Load as the model card does, in a fresh interpreter where `diff_transformer` cannot be imported; the tokenizer
+    must be transformers' own class (no custom code)."""
+    model_dir = model_dir.resolve()  # the check runs in a scratch folder
     script = textwrap.dedent(f"""
         import sys
         sys.modules["diff_transformer"] = None
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, trust_remote_code=True).eval()
-        tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r})
+        tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r}, trust_remote_code=True)
+        assert type(tokenizer).__module__.startswith("transformers."), f"custom tokenizer {{type(tokenizer)}}"
         ids = tokenizer("hello", return_tensors="pt")["input_ids"] % model.config.vocab_size
         with torch.no_grad():
             assert torch.isfinite(model(ids).logits).all(), "non-finite logits"
@@ -159,7 +188,8 @@ def check_remote_loading(model_dir: Path) -> str:
     """)
     with tempfile.TemporaryDirectory() as scratch:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": scratch, "PYTHONPATH": ""}
-        result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=env, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=env, capture_output=True, text=True,
+                                stdin=subprocess.DEVNULL)
     if "REMOTE_OK" not in result.stdout:
         raise UploadError(f"{model_dir} does not load with trust_remote_code=True:\n{result.stderr[-3000:]}")
     return result.stdout.strip().splitlines()[-1]
@@ -183,6 +213,7 @@ def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license
     config = check_inputs(model_dir, repo_id)
     token = None if dry_run else require_token()
     install_remote_code(model_dir, config)
+    install_generation_config(model_dir)
     model_card(model_dir, repo_id, config, license).save(model_dir / "README.md")
     print(f"wrote {model_dir / 'README.md'} and the model code; {check_remote_loading(model_dir)}")
     if dry_run:

@@ -19,11 +19,6 @@ from .modeling_diff import (
     capture_branch_attentions,
 )
 
-try:
-    from . import peft_defaults  # noqa: F401  registers default LoRA targets for model_type "diff_transformer"
-except ImportError:  # peft not installed
-    pass
-
 AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
 AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
 AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)

@@ -8,6 +8,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -16,8 +17,8 @@ from transformers import (
 )
 
 from . import DiffConfig, DiffForCausalLM
-from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
-from .tokenization_diff import train_bpe_tokenizer
+from .data import KeyValueTask, TokenBlocks, retrieval_accuracy, task_dataset, text_file_dataset
+from .tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 
 
 class TimeLimit(TrainerCallback):
@@ -53,10 +54,22 @@ def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
 def build_data(args: argparse.Namespace):
     if args.data is None:
         task = KeyValueTask(num_keys=args.keys, num_values=args.keys, num_pairs=args.pairs)
-        tokenizer = task.tokenizer()
+        tokenizer = task.tokenizer(chat=args.chat_template)
         return task, tokenizer, task_dataset(task, tokenizer, args.examples, seed=args.seed)
-    tokenizer = train_bpe_tokenizer(files=[args.data], vocab_size=args.vocab_size)
+    chat = {"chat_template": CHAT_TEMPLATE, "extra_special_tokens": CHAT_TOKENS} if args.chat_template else {}
+    tokenizer = train_bpe_tokenizer(files=[args.data], vocab_size=args.vocab_size, **chat)
     return None, tokenizer, text_file_dataset(args.data, tokenizer, args.block_size)
+
+
+def training_generation_config(tokenizer, dataset: TokenBlocks) -> GenerationConfig:
+    """Generation defaults as the model was trained: its special tokens, and at most as many tokens (prompt included)
+    as its longest training sequence."""
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_length=max(len(block) for block in dataset.blocks),
+    )
 
 
 def train(args: argparse.Namespace) -> None:
@@ -83,7 +96,8 @@ def train(args: argparse.Namespace) -> None:
     callbacks = [] if args.minutes is None else [TimeLimit(args.minutes)]
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
     trainer.train()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = training_generation_config(tokenizer, dataset)
+    tokenizer.model_max_length = model.config.max_position_embeddings
     trainer.save_model(args.output)
     tokenizer.save_pretrained(args.output)
     print(f"saved to {args.output}")
@@ -98,11 +112,17 @@ def train(args: argparse.Namespace) -> None:
 
 
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool) -> str:
-    generator = pipeline("text-generation", model=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    """Continue `prompt`; a folder whose tokenizer has a chat template gets it as a user turn and answers with the
+    assistant's reply."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generator = pipeline("text-generation", model=model_dir, tokenizer=tokenizer)
+    generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
+    chat = tokenizer.chat_template is not None
+    inputs = [{"role": "user", "content": prompt}] if chat else prompt
     # explicit: transformers 5.17's pipeline cleans up spaces by default ("k9 ? ?" -> "k9??"), newer ones do not
-    outputs = generator(prompt, max_new_tokens=max_new_tokens, do_sample=sample, return_full_text=True,
+    outputs = generator(inputs, max_new_tokens=max_new_tokens, do_sample=sample, return_full_text=True,
                         clean_up_tokenization_spaces=False)
-    text = outputs[0]["generated_text"]
+    text = outputs[0]["generated_text"][-1]["content"] if chat else outputs[0]["generated_text"]
     print(f"generated: {text}")
     return text
 
@@ -128,6 +148,9 @@ def add_train_parser(commands) -> None:
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-template", action="store_true",
+                        help="save the built-in chat template (<|user|>...</s><|assistant|>...</s>) with the "
+                             "tokenizer; the built-in task then trains on chat turns")
     parser.add_argument("--prompt", help="prompt for the closing generation")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.set_defaults(func=train)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from .tokenization_diff import build_word_tokenizer
+from .tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
 
 @dataclass
@@ -22,8 +22,11 @@ class KeyValueTask:
     def vocabulary(self) -> list[str]:
         return [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)] + ["?"]
 
-    def tokenizer(self) -> PreTrainedTokenizerFast:
-        return build_word_tokenizer(self.vocabulary())
+    def tokenizer(self, chat: bool = False) -> PreTrainedTokenizerFast:
+        """The task's word-level tokenizer; `chat=True` adds the built-in chat template and its role tokens."""
+        if not chat:
+            return build_word_tokenizer(self.vocabulary())
+        return build_word_tokenizer(self.vocabulary(), chat_template=CHAT_TEMPLATE, extra_special_tokens=CHAT_TOKENS)
 
     def example(self, rng: random.Random) -> tuple[str, str]:
         """Return (prompt ending in the query key, answer value)."""
@@ -36,6 +39,19 @@ class KeyValueTask:
     def texts(self, count: int, seed: int = 0) -> list[str]:
         rng = random.Random(seed)
         return [" ".join(self.example(rng)) for _ in range(count)]
+
+
+def encode_example(tokenizer: PreTrainedTokenizerFast, prompt: str, answer: str | None = None) -> list[int]:
+    """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer </s>`) or is prompted
+    (`answer=None`: `<s> prompt`). A tokenizer with a chat template formats it as a user turn and an assistant turn,
+    exactly as `apply_chat_template` (and so `pipeline` with chat messages) does at inference."""
+    if tokenizer.chat_template is None:
+        ids = tokenizer(prompt if answer is None else f"{prompt} {answer}")["input_ids"]
+        return ids if answer is None else ids + [tokenizer.eos_token_id]
+    messages = [{"role": "user", "content": prompt}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=answer is None)["input_ids"])
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -53,25 +69,28 @@ class TokenBlocks(torch.utils.data.Dataset):
 
 
 def task_dataset(task: KeyValueTask, tokenizer: PreTrainedTokenizerFast, count: int, seed: int) -> TokenBlocks:
-    bos = [tokenizer.bos_token_id]
-    return TokenBlocks([bos + tokenizer(text)["input_ids"] for text in task.texts(count, seed)])
+    rng = random.Random(seed)
+    return TokenBlocks([encode_example(tokenizer, *task.example(rng)) for _ in range(count)])
 
 
 def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:
-    """Tokenize a whole text file and cut it into `block_size` blocks (the tail is dropped)."""
+    """Tokenize a whole text file and cut it into blocks of `<s>` and `block_size - 1` tokens (the tail is dropped):
+    every training sequence starts as the tokenizer starts every text."""
     text = Path(path).read_text(encoding="utf-8")
-    ids = tokenizer(text)["input_ids"]
-    if len(ids) < block_size + 1:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    step = block_size - 1
+    if len(ids) < step:
         raise ValueError(f"{path} has {len(ids)} tokens, fewer than one block of {block_size}; use --block-size")
-    return TokenBlocks([ids[i : i + block_size] for i in range(0, len(ids) - block_size + 1, block_size)])
+    bos = [tokenizer.bos_token_id]
+    return TokenBlocks([bos + ids[i : i + step] for i in range(0, len(ids) - step + 1, step)])
 
 
 def retrieval_accuracy(model, tokenizer, task: KeyValueTask, count: int = 200, seed: int = 12345) -> float:
     """Share of held-out prompts whose greedy next token is the right value."""
     rng = random.Random(seed)
     examples = [task.example(rng) for _ in range(count)]
-    prompts = [[tokenizer.bos_token_id] + tokenizer(p)["input_ids"] for p, _ in examples]
-    answers = torch.tensor([tokenizer(a)["input_ids"][0] for _, a in examples])
+    prompts = [encode_example(tokenizer, prompt) for prompt, _ in examples]
+    answers = torch.tensor([tokenizer(a, add_special_tokens=False)["input_ids"][0] for _, a in examples])
     with torch.no_grad():
         logits = model(torch.tensor(prompts, device=model.device)).logits[:, -1]
     return (logits.argmax(-1).cpu() == answers).float().mean().item()

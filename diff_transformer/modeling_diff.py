@@ -53,6 +53,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
+from .folder_defaults import saved_folder_defaults
+from .peft_defaults import register_peft_defaults
 from .tiled_diff_attention import autocast_off, tiled_diff_attention, tiled_pays
 
 try:
@@ -73,6 +75,8 @@ except ImportError:  # the Hub copy may lack the kernel file's optional dependen
 
 
 FUSED_IMPLEMENTATION = "diff_flash"
+
+register_peft_defaults()  # with the model code, so LoraConfig() needs no target_modules under trust_remote_code too
 
 # transformers 5.24 renamed the cache argument `past_key_values` to `cache` (forwards, `generate`, masks, outputs and
 # gradient checkpointing). The model takes the cache as `cache` and calls the library under the name it uses.
@@ -566,6 +570,12 @@ class DiffPreTrainedModel(PreTrainedModel):
                 f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
                 "download them again, or re-save the model with model.save_pretrained"
             ) from error
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
+        generation within the context)."""
+        with saved_folder_defaults(self):
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

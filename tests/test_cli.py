@@ -16,7 +16,8 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 
 def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
-    """The prompt continued by plain greedy argmax decoding of the saved folder, without `pipeline` or `generate`."""
+    """The prompt continued by plain greedy argmax decoding of the saved folder, without `pipeline` or `generate`,
+    up to and including `</s>` (the folder's generation config stops there)."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -24,11 +25,15 @@ def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
     with torch.no_grad():
         for _ in range(new_tokens):
             ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-    return prompt + tokenizer.decode(ids[0, start:])  # as pipeline's return_full_text joins them
+            if ids[0, -1] == tokenizer.eos_token_id:
+                break
+    # as pipeline's return_full_text joins them, special tokens skipped
+    return prompt + tokenizer.decode(ids[0, start:], skip_special_tokens=True)
 
 
 def generated_line(output: str) -> str:
-    return re.findall(r"^generated: (.*)$", output, flags=re.MULTILINE)[-1]
+    """The text after the last "generated: ", which may span lines; print's closing newline dropped."""
+    return output.rsplit("generated: ", 1)[1].removesuffix("\n")
 
 
 def test_train_default_task_then_generate(tmp_path, capsys):

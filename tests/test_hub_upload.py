@@ -1,9 +1,11 @@
-"""hub_upload.py (issue #4): --dry-run prepares a folder that loads without the package, with a valid model card;
-clear errors for bad input."""
+"""hub_upload.py (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
+clients expect and a valid model card; the README's and the card's client calls run as written; clear errors for bad
+input."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,9 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_client_folder import client_results, run_without_package
 from test_pipeline import save_tiny_folder
 
+from diff_transformer.peft_defaults import LORA_TARGET_MODULES
+
 ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 32
 
 
 def load_script():
@@ -24,10 +30,10 @@ def load_script():
     return module
 
 
-def run_upload(*args: str) -> subprocess.CompletedProcess:
+def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(ROOT / "hub_upload.py"), *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +44,11 @@ def prepared(tmp_path_factory):
     config = json.loads((folder / "config.json").read_text())
     config.pop("auto_map")
     config["base_model"] = "meta-llama/Llama-3.2-1B"  # what a converter records
+    config["use_cache"] = False  # as Trainer.save_model wrote it before issue #17
+    config["max_position_embeddings"] = CONTEXT  # a short context keeps generation with the folder's defaults short
     (folder / "config.json").write_text(json.dumps(config))
-    result = run_upload(str(folder), "someone/diff-tiny", "--dry-run")
+    (folder / "generation_config.json").unlink()
+    result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in README
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
 
@@ -47,10 +56,19 @@ def prepared(tmp_path_factory):
 def test_dry_run_writes_code_and_auto_map(prepared):
     folder, result = prepared
     assert "dry run" in result.stdout and "REMOTE_OK" in result.stdout
+    assert "custom code" not in result.stdout + result.stderr, "a trust_remote_code prompt leaked into the output"
     for name in ("modeling_diff.py", "configuration_diff.py", "diff_flash_attention.py", "tiled_diff_attention.py"):
         assert (folder / name).is_file(), name
-    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    assert auto_map["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
+    assert config["use_cache"] is True, "use_cache=False must not reach the Hub"
+
+
+def test_dry_run_writes_generation_defaults(prepared):
+    folder = prepared[0]
+    generation = json.loads((folder / "generation_config.json").read_text())
+    expected = {"bos_token_id": 1, "pad_token_id": 0, "max_length": CONTEXT}  # tiny_config has no eos
+    assert {key: generation.get(key) for key in expected} == expected, generation
 
 
 def test_model_card_metadata(prepared):
@@ -67,9 +85,6 @@ def test_folder_loads_without_package(prepared, tmp_path):
     folder = prepared[0]
     batch = torch.tensor([[1, 5, 9, 12]])
     script = textwrap.dedent(f"""
-        import sys
-        sys.path = [p for p in sys.path if p not in ("", {str(ROOT)!r})]
-        sys.modules["diff_transformer"] = None
         import torch
         from transformers import AutoModelForCausalLM, pipeline
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
@@ -79,15 +94,47 @@ def test_folder_loads_without_package(prepared, tmp_path):
         out = pipeline("text-generation", model={str(folder)!r}, trust_remote_code=True)("k1 v2", max_new_tokens=3)
         print("REMOTE_OK", out[0]["generated_text"])
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert "REMOTE_OK k1 v2" in result.stdout, result.stdout + result.stderr
+    output = run_without_package(script, tmp_path)
+    assert "REMOTE_OK k1 v2" in output, output
     from diff_transformer import DiffForCausalLM
 
     with torch.no_grad():
         expected = DiffForCausalLM.from_pretrained(folder).eval()(batch).logits
     actual = torch.load(tmp_path / "logits.pt")
     assert torch.equal(actual, expected), f"max abs diff {(actual - expected).abs().max():.3e}"
+
+
+def test_dry_run_folder_in_client_without_package(prepared, tmp_path):
+    result = client_results(prepared[0], "k1 v2 ? k1", chat=False, tmp_path=tmp_path)
+    assert result["tokenizer"].startswith("transformers.") and result["lora"] == sorted(LORA_TARGET_MODULES), result
+    for generated in (result["generated"], result["greedy"]):
+        assert len(result["prompt_ids"]) < len(generated) <= CONTEXT, f"{len(generated)} tokens, context {CONTEXT}"
+
+
+# Appended to the documented calls: what they must have given.
+DOCUMENTED_CALLS_CHECK = """
+assert type(tokenizer).__module__.startswith("transformers."), f"tokenizer from custom code: {type(tokenizer)}"
+wrapped = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")})
+assert wrapped == sorted(%r), wrapped
+print("CALLS_OK")
+""" % LORA_TARGET_MODULES
+
+
+def documented_calls(markdown: str, repo_id: str, folder: Path) -> str:
+    """The python blocks of a markdown text that need no `diff_transformer`, pointed at a local folder."""
+    blocks = re.findall(r"```python\n(.*?)```", markdown, flags=re.DOTALL)
+    code = "\n".join(block for block in blocks if "diff_transformer" not in block)
+    assert f'"{repo_id}"' in code, f"no client calls for {repo_id} in:\n{markdown}"
+    return code.replace(f'"{repo_id}"', repr(str(folder)))
+
+
+def test_readme_and_model_card_calls_run_without_package(prepared, tmp_path):
+    folder = prepared[0]
+    section = (ROOT / "README.md").read_text().split("### Publishing to the Hub")[1].split("\n### ")[0]
+    readme = documented_calls(section, "my-user/diff-tiny", folder) + DOCUMENTED_CALLS_CHECK
+    card = documented_calls((folder / "README.md").read_text(), "someone/diff-tiny", folder) + DOCUMENTED_CALLS_CHECK
+    output = run_without_package(readme + card, tmp_path)
+    assert output.count("CALLS_OK") == 2, output
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,19 @@
-"""Tokenizers (issue #4): byte-level BPE trained locally and the word-level task tokenizer round-trip through
-save_pretrained / AutoTokenizer."""
+"""Tokenizers (issues #4, #17): byte-level BPE trained locally and the word-level task tokenizer round-trip through
+save_pretrained / AutoTokenizer as transformers' built-in class, put <s> first, and carry an optional chat template."""
+
+import json
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from diff_transformer.data import KeyValueTask
-from diff_transformer.tokenization_diff import SPECIAL_TOKENS, build_word_tokenizer, train_bpe_tokenizer
+from diff_transformer.data import KeyValueTask, encode_example
+from diff_transformer.tokenization_diff import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
+from diff_transformer.tokenization_diff import (
+    CHAT_TOKENS,
+    SPECIAL_TOKENS,
+    build_word_tokenizer,
+    train_bpe_tokenizer,
+)
 
 CORPUS = [
     "First Citizen: Before we proceed any further, hear me speak.",
@@ -31,8 +39,14 @@ def test_bpe_vocab_and_special_tokens(bpe):
     assert 256 + len(SPECIAL_TOKENS) + len(EXTRA) < len(bpe) <= 400, len(bpe)
     ids = [bpe.convert_tokens_to_ids(t) for t in [*SPECIAL_TOKENS.values(), *EXTRA]]
     assert ids == list(range(len(SPECIAL_TOKENS) + len(EXTRA))), ids
-    assert bpe("<|user|>hi</s>")["input_ids"][0] == ids[4], "extra special token was split"
+    assert bpe("<|user|>hi</s>")["input_ids"][:2] == [bpe.bos_token_id, ids[4]], "extra special token was split"
     assert bpe.padding_side == "left"
+
+
+def test_bos_first_unless_special_tokens_are_off(bpe):
+    ids = bpe(UNSEEN)["input_ids"]
+    assert ids[0] == bpe.bos_token_id and ids[1:] == bpe(UNSEEN, add_special_tokens=False)["input_ids"], ids
+    assert bpe.bos_token_id not in ids[1:] and bpe.eos_token_id not in ids, "only <s>, once, at the start"
 
 
 def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
@@ -41,7 +55,7 @@ def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
     for text in [*CORPUS[:3], UNSEEN]:
         ids = bpe(text)["input_ids"]
         assert loaded(text)["input_ids"] == ids, text
-        assert loaded.decode(ids) == text, "byte-level BPE must decode losslessly"
+        assert loaded.decode(ids) == bpe.bos_token + text, "byte-level BPE must decode losslessly"
     assert loaded.get_vocab() == bpe.get_vocab()
     assert loaded.special_tokens_map == bpe.special_tokens_map
     assert (loaded.padding_side, loaded.model_max_length) == ("left", 128)
@@ -49,6 +63,16 @@ def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
     assert loaded.apply_chat_template(messages, tokenize=False) == "<|user|>hi</s><|assistant|>hello</s>"
     batch = loaded(["a", "a longer line"], padding=True)["input_ids"]
     assert batch[0][0] == loaded.pad_token_id, "batches must be left-padded"
+
+
+def test_saved_as_builtin_class_without_custom_code(bpe, tmp_path):
+    bpe.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "TokenizersBackend" and "auto_map" not in config, config
+    post_processor = json.loads((tmp_path / "tokenizer.json").read_text())["post_processor"]
+    assert post_processor["type"] == "TemplateProcessing", post_processor
+    loaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    assert loaded(UNSEEN)["input_ids"] == bpe(UNSEEN)["input_ids"]
 
 
 def test_bpe_from_texts_matches_files(bpe):
@@ -64,9 +88,24 @@ def test_word_tokenizer_round_trip(tmp_path):
     text = " ".join(task.texts(1)[0].split())
     assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert loaded.unk_token_id not in loaded(text)["input_ids"]
-    assert loaded.decode(loaded(text)["input_ids"]) == " " + text  # words carry GPT-2's leading space
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == " " + text  # GPT-2's leading space
     assert len(loaded) == len(SPECIAL_TOKENS) + len(task.vocabulary())
-    assert build_word_tokenizer(["zz"])("zz qq")["input_ids"] == [4, loaded.unk_token_id]
+    assert build_word_tokenizer(["zz"])("zz qq")["input_ids"] == [loaded.bos_token_id, 4, loaded.unk_token_id]
+
+
+def test_word_tokenizer_chat_template_matches_training(tmp_path):
+    task = KeyValueTask()
+    task.tokenizer(chat=True).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.chat_template == BUILTIN_CHAT_TEMPLATE
+    roles = [loaded.convert_tokens_to_ids(t) for t in CHAT_TOKENS]
+    assert roles == [4, 5, 6], roles
+    messages = [{"role": "user", "content": "k1 v2 ? k1"}, {"role": "assistant", "content": "v2"}]
+    assert loaded.apply_chat_template(messages, tokenize=False) == "<s><|user|>k1 v2 ? k1</s><|assistant|>v2</s>"
+    tokens = ["<s>", "<|user|>", "Ġk1", "Ġv2", "Ġ?", "Ġk1", "</s>", "<|assistant|>"]
+    ids = [loaded.convert_tokens_to_ids(t) for t in tokens]
+    assert encode_example(loaded, "k1 v2 ? k1") == ids, "generation prompt"
+    assert encode_example(loaded, "k1 v2 ? k1", "v2") == [*ids, loaded.convert_tokens_to_ids("Ġv2"), 2], "training"
 
 
 def test_bad_arguments_raise(tmp_path):

@@ -1,0 +1,38 @@
+"""What a saved DIFF Transformer folder (arXiv 2410.05258) gives its clients: the KV cache on, and generation
+defaults that stop within the context. `modeling_diff.py` applies them in `save_pretrained`, so they ship with the
+Hub code and hold for every folder the model classes write."""
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
+
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) -> GenerationConfig:
+    """In place: the model config's special token ids where unset, and `max_length = max_position_embeddings` where no
+    length is set (`pipeline` would otherwise add 256 new tokens, past a small model's context)."""
+    for name in SPECIAL_IDS:
+        if getattr(generation, name) is None:
+            setattr(generation, name, getattr(config, name, None))
+    if generation.max_length is None and generation.max_new_tokens is None:
+        generation.max_length = config.max_position_embeddings
+    return generation
+
+
+@contextmanager
+def saved_folder_defaults(model: PreTrainedModel) -> Iterator[None]:
+    """While saving: `use_cache=True` (Trainer turns the cache off for training, and exporters such as ExecuTorch
+    refuse a model without it) and `generation_defaults`; the model in memory is left as it was."""
+    use_cache, generation = model.config.use_cache, getattr(model, "generation_config", None)
+    model.config.use_cache = True
+    if generation is not None:
+        model.generation_config = generation_defaults(copy.deepcopy(generation), model.config)
+    try:
+        yield
+    finally:
+        model.config.use_cache = use_cache
+        if generation is not None:
+            model.generation_config = generation

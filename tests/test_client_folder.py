@@ -1,0 +1,213 @@
+"""Saved folders as their clients use them (issue #17). In a fresh interpreter where `diff_transformer` cannot be
+imported: `AutoTokenizer` loads transformers' own tokenizer class without a word of output, LoRA finds its default
+targets from the folder's model code, and `pipeline` with no generation arguments stops within the context. The folder
+records `use_cache: true` and generation defaults, and BOS is placed the same way in training, in the tokenizer and in
+an lm-eval-style evaluation."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import make_trainer
+from transformers import AutoTokenizer
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.cli import main
+from diff_transformer.data import KeyValueTask, encode_example, text_file_dataset
+from diff_transformer.peft_defaults import LORA_TARGET_MODULES
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, ANSWER = "k3 v7 k9 v2 ? k9", "v2"
+LOGPROB_ATOL = 1e-5  # the same tokens through forwards of different lengths: fp32 summation order only
+
+# Drops the repository and the editable install's import hook, so only the folder's own copy of the model code runs.
+HIDE_PACKAGE = f"""
+import importlib.util, sys
+sys.path = [p for p in sys.path if p not in ("", {str(ROOT)!r})]
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+spec = importlib.util.find_spec("diff_transformer")
+assert spec is None, f"diff_transformer is importable: {{spec}}"
+"""
+
+
+def run_without_package(script: str, tmp_path: Path) -> str:
+    """Run `script` in a fresh interpreter without `diff_transformer` (no standard input, transformers' default log
+    level); return its stdout and stderr merged in order."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": "",
+           "TRANSFORMERS_VERBOSITY": "warning"}
+    result = subprocess.run(
+        [sys.executable, "-u", "-c", HIDE_PACKAGE + textwrap.dedent(script)], cwd=tmp_path, env=env, text=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout
+    return result.stdout
+
+
+def client_script(folder: Path, prompt: str, chat: bool) -> str:
+    """The calls a user of a Hub model makes; `generated` with no generation arguments (the pipeline samples unless
+    told otherwise), `greedy` with only `do_sample=False`. Prints the results as JSON."""
+    pipeline_input = [{"role": "user", "content": prompt}] if chat else prompt
+    return f"""
+        import json
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        tokenizer = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        plain = PreTrainedTokenizerFast.from_pretrained({str(folder)!r})  # reads only the tokenizer files
+        print("TOKENIZER_LOADED")
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, pipeline
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        lora = get_peft_model(model, LoraConfig(r=2))
+        generator = pipeline("text-generation", model={str(folder)!r}, trust_remote_code=True)
+        if {chat}:
+            messages = [{{"role": "user", "content": {prompt!r}}}]
+            prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        else:
+            prompt_ids = tokenizer({prompt!r})["input_ids"]
+        result = {{
+            "tokenizer": type(tokenizer).__module__,
+            "model": type(model).__module__,
+            "lora": sorted({{n.rsplit(".", 1)[-1] for n, m in lora.named_modules() if hasattr(m, "lora_A")}}),
+            "prompt_ids": prompt_ids,
+            "plain_tokenizer_agrees": plain({prompt!r})["input_ids"] == tokenizer({prompt!r})["input_ids"],
+            "generated": generator({pipeline_input!r}, return_tensors=True)[0]["generated_token_ids"],
+            "greedy": generator({pipeline_input!r}, return_tensors=True, do_sample=False)[0]["generated_token_ids"],
+            "chat_reply": generator({pipeline_input!r})[0]["generated_text"][-1] if {chat} else None,
+        }}
+        print("RESULT " + json.dumps(result))
+    """
+
+
+def client_results(folder: Path, prompt: str, chat: bool, tmp_path: Path) -> dict:
+    output = run_without_package(client_script(folder, prompt, chat), tmp_path)
+    before_tokenizer = output.split("TOKENIZER_LOADED")[0].strip()
+    assert not before_tokenizer, f"loading the tokenizer printed:\n{before_tokenizer}"
+    return json.loads(output.split("RESULT ", 1)[1])
+
+
+def read_json(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "chat"])
+def cli_folder(request, tmp_path_factory) -> tuple[Path, bool]:
+    chat = request.param
+    folder = tmp_path_factory.mktemp("cli") / "model"
+    main(["train", "--max-steps", "20", "--examples", "300", "--output", str(folder), "--max-new-tokens", "1",
+          *(["--chat-template"] if chat else [])])
+    return folder, chat
+
+
+def test_cli_folder_files(cli_folder):
+    folder, chat = cli_folder
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    training_length = len(encode_example(tokenizer, PROMPT, ANSWER))
+    assert read_json(folder, "config.json")["use_cache"] is True, "Trainer's use_cache=False was saved"
+    generation = read_json(folder, "generation_config.json")
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": training_length}
+    assert {key: generation.get(key) for key in expected} == expected, generation
+    tokenizer_config = read_json(folder, "tokenizer_config.json")
+    assert tokenizer_config["tokenizer_class"] == "TokenizersBackend" and "auto_map" not in tokenizer_config
+    assert tokenizer_config["model_max_length"] == read_json(folder, "config.json")["max_position_embeddings"]
+    assert ((folder / "chat_template.jinja").is_file()) == chat
+
+
+def test_cli_folder_in_client_without_package(cli_folder, tmp_path):
+    folder, chat = cli_folder
+    result = client_results(folder, PROMPT, chat, tmp_path)
+    assert result["tokenizer"].startswith("transformers."), f"tokenizer from custom code: {result['tokenizer']}"
+    assert result["model"].startswith("transformers_modules."), result["model"]
+    assert result["lora"] == sorted(LORA_TARGET_MODULES), result["lora"]
+    assert result["plain_tokenizer_agrees"], "PreTrainedTokenizerFast.from_pretrained encodes differently"
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert result["prompt_ids"] == encode_example(tokenizer, PROMPT), "the client's prompt is not the training format"
+    model = DiffForCausalLM.from_pretrained(folder).eval()
+    max_length = model.generation_config.max_length
+    assert max_length <= model.config.max_position_embeddings, (max_length, model.config.max_position_embeddings)
+    for generated in (result["generated"], result["greedy"]):
+        assert generated[: len(result["prompt_ids"])] == result["prompt_ids"], generated
+        assert len(generated) <= max_length, f"{len(generated)} tokens, past max_length={max_length}"
+        assert generated[-1] == tokenizer.eos_token_id or len(generated) == max_length, generated
+    expected = model.generate(torch.tensor([result["prompt_ids"]]), do_sample=False)[0].tolist()
+    assert result["greedy"] == expected, (result["greedy"], expected)
+    if chat:
+        assert result["chat_reply"]["role"] == "assistant", result["chat_reply"]
+
+
+def test_cli_text_blocks_start_like_the_tokenizer(tmp_path):
+    text = "\n".join(KeyValueTask().texts(50))
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    tokenizer = train_bpe_tokenizer(texts=[text], vocab_size=300)
+    blocks = [block["input_ids"].tolist() for block in text_file_dataset(tmp_path / "corpus.txt", tokenizer, 16)]
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and blocks[0] == ids[:16], (blocks[0], ids[:16])
+    assert all(block[0] == tokenizer.bos_token_id and len(block) == 16 for block in blocks)
+    assert [t for block in blocks for t in block[1:]] == ids[1 : 1 + 15 * len(blocks)]
+
+
+def test_trainer_checkpoint_saves_cache_on_and_generation_defaults(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.train()
+    model = trainer.model
+    assert model.config.use_cache is False, "precondition: Trainer turns the cache off for training"
+    trainer.save_model(tmp_path / "model")
+    assert read_json(tmp_path / "model", "config.json")["use_cache"] is True
+    generation = read_json(tmp_path / "model", "generation_config.json")
+    assert generation["max_length"] == model.config.max_position_embeddings == 256, generation
+    assert generation["pad_token_id"] == model.config.pad_token_id, generation
+    assert model.config.use_cache is False and model.generation_config.max_length is None, "saving changed the model"
+
+
+def token_logprobs(model: DiffForCausalLM, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, from one forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def lm_eval_loglikelihood(model, tokenizer, context: str, continuation: str, add_bos: bool) -> tuple[list[int], float]:
+    """lm-eval's `loglikelihood` for a causal model: encode context + continuation, split off the context's tokens,
+    score the rest. add_bos=True is lm-eval's default (the tokenizer's own special tokens), False `add_bos_token=False`.
+    Returns the model's input (all tokens but the last) and the continuation's log-likelihood."""
+    options = {} if add_bos else {"add_special_tokens": False}
+    whole = tokenizer(context + continuation, **options)["input_ids"]
+    n_context = len(tokenizer(context, **options)["input_ids"])
+    return whole[:-1], token_logprobs(model, whole)[n_context - 1 :].sum().item()
+
+
+def lm_eval_rolling_loglikelihood(model, tokenizer, text: str) -> tuple[list[int], float]:
+    """lm-eval's `loglikelihood_rolling` with `add_bos_token=False` and a text shorter than the context: one window,
+    `[prefix_token] + tokens[:-1]` predicting `tokens`, where prefix_token is the tokenizer's BOS."""
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    inputs = [tokenizer.bos_token_id, *tokens]
+    return inputs[:-1], token_logprobs(model, inputs).sum().item()
+
+
+def test_lm_eval_style_loglikelihood_sees_the_training_tokens(cli_folder):
+    folder, chat = cli_folder
+    if chat:
+        pytest.skip("lm-eval scores plain text; the chat folder trains on chat turns")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = DiffForCausalLM.from_pretrained(folder).eval()
+    training = encode_example(tokenizer, PROMPT, ANSWER)  # what the CLI trained on: <s> prompt answer </s>
+    assert training[0] == tokenizer.bos_token_id and training[-1] == tokenizer.eos_token_id, training
+    training_logprobs = token_logprobs(model, training)
+
+    inputs, loglikelihood = lm_eval_loglikelihood(model, tokenizer, PROMPT, " " + ANSWER, add_bos=True)
+    assert inputs == training[:-2], "with BOS from the tokenizer, lm-eval must feed the training tokens"
+    expected = training_logprobs[-2].item()  # the answer's log-probability inside the training sequence
+    assert abs(loglikelihood - expected) <= LOGPROB_ATOL, (loglikelihood, expected)
+
+    inputs, _ = lm_eval_loglikelihood(model, tokenizer, PROMPT, " " + ANSWER, add_bos=False)
+    assert inputs == training[1:-2], "without BOS the input is the training sequence minus its <s>"
+
+    inputs, rolling = lm_eval_rolling_loglikelihood(model, tokenizer, f"{PROMPT} {ANSWER}")
+    assert inputs == training[:-2], "the rolling window's BOS prefix must be the training sequence's <s>"
+    expected = training_logprobs[:-1].sum().item()  # every training target but the closing </s>
+    assert abs(rolling - expected) <= LOGPROB_ATOL, (rolling, expected)
