@@ -24,6 +24,8 @@ setup(
         "flash-attn": ["flash-attn>=2.6"],
         "peft": ["peft>=0.20,<=0.21.2"],
         "hub": ["huggingface_hub>=1.0"],
+        "plots": ["matplotlib>=3.8"],  # the PNGs of eval-needle / attention-noise (their tables need nothing)
+        "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
             "pytest>=8",
             "peft>=0.20,<=0.21.2",

@@ -57,10 +57,23 @@ def task_dataset(task: KeyValueTask, tokenizer: PreTrainedTokenizerFast, count: 
     return TokenBlocks([bos + tokenizer(text)["input_ids"] for text in task.texts(count, seed)])
 
 
+def read_text_file(path: str | Path) -> str:
+    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing or not UTF-8 text."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
+        ) from None
+
+
 def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:
     """Tokenize a whole text file and cut it into `block_size` blocks (the tail is dropped)."""
-    text = Path(path).read_text(encoding="utf-8")
-    ids = tokenizer(text)["input_ids"]
+    # verbose=False: the file is one long sequence on purpose; it is cut into blocks below
+    ids = tokenizer(read_text_file(path), verbose=False)["input_ids"]
     if len(ids) < block_size + 1:
         raise ValueError(f"{path} has {len(ids)} tokens, fewer than one block of {block_size}; use --block-size")
     return TokenBlocks([ids[i : i + block_size] for i in range(0, len(ids) - block_size + 1, block_size)])

@@ -58,7 +58,7 @@ def test_model_card_metadata(prepared):
     assert text.startswith("---\n")
     metadata = yaml.safe_load(text.split("---\n")[1])
     assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
-    assert metadata["license"] == "apache-2.0" and "diff-transformer" in metadata["tags"]
+    assert metadata["license"] == "mit" and "diff-transformer" in metadata["tags"]
     assert metadata["base_model"] == "meta-llama/Llama-3.2-1B"
     assert "trust_remote_code=True" in text and "| `hidden_size` | `64` |" in text
 
