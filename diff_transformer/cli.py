@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PrinterCallback,
     ProgressCallback,
     Trainer,
     TrainerCallback,
@@ -23,6 +24,7 @@ from transformers import (
 from . import DiffConfig, DiffForCausalLM
 from .configuration_diff import check_local_path, check_model_type
 from .data import KeyValueTask, read_text_file, retrieval_accuracy, task_dataset, text_file_dataset
+from .evaluation import CITIES
 from .tokenization_diff import train_bpe_tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
@@ -216,6 +218,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU-only machine needs it said
         seed=args.seed,
         dataloader_num_workers=0,
+        disable_tqdm=False,  # QuietProgress replaces the log printing
     )
 
 
@@ -235,7 +238,8 @@ def train(args: argparse.Namespace) -> None:
     set_threads(args.threads, model)
     callbacks = [] if args.minutes is None else [TimeLimit(args.minutes)]
     trainer = Trainer(model=model, args=training_arguments(args), train_dataset=dataset, callbacks=callbacks)
-    trainer.remove_callback(ProgressCallback)
+    for printer in (ProgressCallback, PrinterCallback):
+        trainer.remove_callback(printer)
     trainer.add_callback(QuietProgress())
     result = trainer.train()
     print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
@@ -384,7 +388,7 @@ def add_eval_needle_parser(commands, common) -> Parser:
                         help="prompt lengths in tokens (context + question)")
     parser.add_argument("--depths", type=percent, nargs="+", default=[0, 25, 50, 75, 100],
                         help="depth of the queried needles in the context, in %%")
-    parser.add_argument("--needles", type=positive_int, default=6, help="needles N in the context (at most 41)")
+    parser.add_argument("--needles", type=positive_int, default=6, help=f"needles N in the context (at most {len(CITIES)})")
     parser.add_argument("--queries", type=positive_int, default=2,
                         help="queried needles R (<= --needles), placed together at the depth")
     parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
@@ -409,7 +413,7 @@ def add_attention_noise_parser(commands, common) -> Parser:
     parser.add_argument("--baseline", type=model_folder,
                         help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
     parser.add_argument("--length", type=positive_int, default=1024, help="prompt length in tokens")
-    parser.add_argument("--needles", type=positive_int, default=6, help="needles in the context (at most 41)")
+    parser.add_argument("--needles", type=positive_int, default=6, help=f"needles in the context (at most {len(CITIES)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
     parser.set_defaults(func=run_attention_noise)

@@ -19,6 +19,11 @@ class KeyValueTask:
     num_values: int = 16
     num_pairs: int = 2
 
+    def __post_init__(self):
+        if not 1 <= self.num_pairs <= self.num_keys or self.num_values < 1:
+            raise ValueError(f"KeyValueTask needs 1 <= num_pairs ({self.num_pairs}) <= num_keys ({self.num_keys}) "
+                             f"and num_values >= 1 (got {self.num_values}): the pairs of a sequence use distinct keys")
+
     def vocabulary(self) -> list[str]:
         return [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)] + ["?"]
 

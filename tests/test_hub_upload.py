@@ -24,10 +24,10 @@ def load_script():
     return module
 
 
-def run_upload(*args: str) -> subprocess.CompletedProcess:
+def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(ROOT / "hub_upload.py"), *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def prepared(tmp_path_factory):
     config.pop("auto_map")
     config["base_model"] = "meta-llama/Llama-3.2-1B"  # what a converter records
     (folder / "config.json").write_text(json.dumps(config))
-    result = run_upload(str(folder), "someone/diff-tiny", "--dry-run")
+    result = run_upload("model", "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in the README
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
 
@@ -111,3 +111,13 @@ def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
     }[case]
     assert script.main(args) == 1
     assert fragment in capsys.readouterr().err
+
+
+def test_failed_check_leaves_the_folder_unchanged(tmp_path, monkeypatch, capsys):
+    folder = save_tiny_folder(tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    assert load_script().main(["model", "someone/x", "--dry-run"]) == 1
+    assert "would not load with trust_remote_code=True (left unchanged)" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
