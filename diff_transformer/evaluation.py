@@ -147,26 +147,28 @@ def answer_correct(model, tokenizer: PreTrainedTokenizerBase, prompt: str, numbe
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip().startswith(number)
 
 
+def cell_accuracy(model, tokenizer: PreTrainedTokenizerBase, settings: NeedleSettings, length: int, depth: float,
+                  bar: tqdm) -> float:
+    """Share of the queried needles answered correctly over `samples` prompts seeded by (seed, length, depth)."""
+    rng = random.Random(f"{settings.seed}-{length}-{depth}")
+    prompts = [build_needle_prompt(tokenizer, length, depth, settings, rng) for _ in range(settings.samples)]
+    hits = []
+    for prompt in prompts:
+        for i in range(settings.queries):
+            hits.append(answer_correct(model, tokenizer, prompt.question(i), prompt.answers[i][1]))
+            bar.update()
+    return sum(hits) / len(hits)
+
+
 def needle_accuracy(
     model, tokenizer: PreTrainedTokenizerBase, settings: NeedleSettings, progress: bool = False
 ) -> dict:
     """{(length, depth): share of queried needles answered correctly} over `samples` seeded prompts each;
     `progress` shows a bar of prompts done out of the total."""
-    results = {}
     total = len(settings.lengths) * len(settings.depths) * settings.samples * settings.queries
     with tqdm(total=total, desc="needle prompts", unit="prompt", disable=not progress) as bar:
-        for length in settings.lengths:
-            for depth in settings.depths:
-                rng = random.Random(f"{settings.seed}-{length}-{depth}")
-                prompts = [build_needle_prompt(tokenizer, length, depth, settings, rng)
-                           for _ in range(settings.samples)]
-                hits = []
-                for prompt in prompts:
-                    for i in range(settings.queries):
-                        hits.append(answer_correct(model, tokenizer, prompt.question(i), prompt.answers[i][1]))
-                        bar.update()
-                results[(length, depth)] = sum(hits) / len(hits)
-    return results
+        return {(length, depth): cell_accuracy(model, tokenizer, settings, length, depth, bar)
+                for length in settings.lengths for depth in settings.depths}
 
 
 def accuracy_table(results: dict, settings: NeedleSettings) -> str:

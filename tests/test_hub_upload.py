@@ -115,9 +115,14 @@ def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
 
 def test_failed_check_leaves_the_folder_unchanged(tmp_path, monkeypatch, capsys):
     folder = save_tiny_folder(tmp_path / "model")
-    (folder / "model.safetensors").write_bytes(b"not safetensors")
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
-    monkeypatch.chdir(tmp_path)
-    assert load_script().main(["model", "someone/x", "--dry-run"]) == 1
+    script = load_script()
+
+    def failing_check(staged, label):
+        assert (staged / "README.md").is_file() and staged != folder, "the check must see the prepared copy"
+        raise script.UploadError(f"{label} would not load with trust_remote_code=True (left unchanged)")
+
+    monkeypatch.setattr(script, "check_remote_loading", failing_check)
+    assert script.main([str(folder), "someone/x", "--dry-run"]) == 1
     assert "would not load with trust_remote_code=True (left unchanged)" in capsys.readouterr().err
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
