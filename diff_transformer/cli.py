@@ -56,24 +56,24 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-def positive_float(text: str) -> float:
+def as_float(text: str) -> float:
+    """float(text), or NaN (which fails every range check) for text that is not a number."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = float("nan")
-    if not value > 0:
+        return float("nan")
+
+
+def positive_float(text: str) -> float:
+    if not as_float(text) > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
-    return value
+    return float(text)
 
 
 def percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 100:
+    if not 0 <= as_float(text) <= 100:
         raise argparse.ArgumentTypeError(f"{text!r} must be a percentage between 0 and 100")
-    return value
+    return float(text)
 
 
 def text_file(text: str) -> str:

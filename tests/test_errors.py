@@ -179,6 +179,8 @@ def test_attention_maps_need_eager(folders):
 def test_data_mistakes(folders, tmp_path, capfd):
     with pytest.raises(ValueError, match="binary.bin is not UTF-8 text"):
         text_file_dataset(folders / "binary.bin", None, 8)
+    with pytest.raises(ValueError, match=r"not UTF-8 text: \['.*binary.bin'\]"):
+        train_bpe_tokenizer(files=[folders / "binary.bin"], vocab_size=300)
     with pytest.raises(ValueError, match=r"num_pairs \(20\) <= num_keys \(16\)"):
         KeyValueTask(num_pairs=20)
     corpus = tmp_path / "long.txt"
