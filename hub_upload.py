@@ -1,10 +1,11 @@
 """Publish a saved DIFF Transformer folder (model + tokenizer) to the Hugging Face Hub.
 
-    python hub_upload.py MODEL_DIR REPO_ID [--dry-run] [--private] [--license apache-2.0]
+    python hub_upload.py MODEL_DIR REPO_ID [--dry-run] [--private] [--license mit]
 
 Writes a model card (README.md), makes sure `auto_map` and the model code are in the folder so that it loads with
 `trust_remote_code=True` and no `diff_transformer` install, sets the defaults clients expect (`use_cache: true`, a
-generation_config.json that stops within the context), checks the client calls in a clean subprocess, then uploads.
+generation_config.json that stops within the context), checks the client calls in a clean subprocess on a staged
+copy (the folder is changed only once the check passes), then uploads.
 The token comes from HF_TOKEN or `hf auth login`; it is never printed or written anywhere.
 """
 
@@ -65,11 +66,23 @@ def auto_map() -> dict[str, str]:
     return {cls._auto_class: f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" for cls in AUTO_CLASSES}
 
 
-def install_remote_code(model_dir: Path, config: dict) -> None:
-    """Copy modeling_diff.py, configuration_diff.py and every sibling they import; point auto_map at them."""
+def code_files() -> set[Path]:
+    """modeling_diff.py, configuration_diff.py and every sibling they import."""
     package = Path(diff_transformer.__file__).parent
     entry_points = [package / "modeling_diff.py", package / "configuration_diff.py"]
-    for source in {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}:
+    return {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}
+
+
+def stage(model_dir: Path, staged: Path, written: set[str]) -> None:
+    """Links to the folder's entries in `staged`, except the files this script writes (written there instead)."""
+    for entry in model_dir.iterdir():
+        if entry.name not in written:
+            (staged / entry.name).symlink_to(entry.resolve())
+
+
+def install_remote_code(model_dir: Path, config: dict) -> None:
+    """Copy the model code into the folder; point auto_map at it."""
+    for source in code_files():
         shutil.copyfile(source, model_dir / source.name)
     config["auto_map"] = {**config.get("auto_map", {}), **auto_map()}
     config["use_cache"] = True  # Trainer saves False; clients (and ExecuTorch's export) expect the cache on
@@ -169,10 +182,9 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
 
-def check_remote_loading(model_dir: Path) -> str:
+def check_remote_loading(model_dir: Path, label: Path) -> str:
     """Load as the model card does, in a fresh interpreter where `diff_transformer` cannot be imported; the tokenizer
-    must be transformers' own class (no custom code)."""
-    model_dir = model_dir.resolve()  # the check runs in a scratch folder
+    must be transformers' own class (no custom code). Errors name `label`, the folder the user gave."""
     script = textwrap.dedent(f"""
         import sys
         sys.modules["diff_transformer"] = None
@@ -191,7 +203,8 @@ def check_remote_loading(model_dir: Path) -> str:
         result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=env, capture_output=True, text=True,
                                 stdin=subprocess.DEVNULL)
     if "REMOTE_OK" not in result.stdout:
-        raise UploadError(f"{model_dir} does not load with trust_remote_code=True:\n{result.stderr[-3000:]}")
+        raise UploadError(f"{label} would not load with trust_remote_code=True (left unchanged):\n"
+                          f"{result.stderr[-3000:]}")
     return result.stdout.strip().splitlines()[-1]
 
 
@@ -209,13 +222,29 @@ def upload(model_dir: Path, repo_id: str, private: bool, token: str) -> str:
     return commit.commit_url
 
 
+def prepare(model_dir: Path, repo_id: str, config: dict, license: str) -> str:
+    """Write the code, config and card into a staged copy, check it loads, then copy those files into the folder."""
+    written = {"config.json", "generation_config.json", "README.md", *(source.name for source in code_files())}
+    with tempfile.TemporaryDirectory() as scratch:
+        staged = Path(scratch)
+        stage(model_dir, staged, written)
+        if (model_dir / "generation_config.json").is_file():
+            shutil.copyfile(model_dir / "generation_config.json", staged / "generation_config.json")
+        install_remote_code(staged, config)
+        install_generation_config(staged)
+        model_card(staged, repo_id, config, license).save(staged / "README.md")
+        checked = check_remote_loading(staged, model_dir)
+        for name in written:
+            shutil.copyfile(staged / name, model_dir / name)
+    return checked
+
+
 def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license: str) -> None:
     config = check_inputs(model_dir, repo_id)
     token = None if dry_run else require_token()
-    install_remote_code(model_dir, config)
-    install_generation_config(model_dir)
-    model_card(model_dir, repo_id, config, license).save(model_dir / "README.md")
-    print(f"wrote {model_dir / 'README.md'} and the model code; {check_remote_loading(model_dir)}")
+    model_dir = model_dir.resolve()  # the check runs in another working directory
+    checked = prepare(model_dir, repo_id, config, license)
+    print(f"wrote {model_dir / 'README.md'} and the model code; {checked}")
     if dry_run:
         print(f"dry run: not uploading to {repo_id}")
         return
@@ -228,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("repo_id", help="Hub repository, 'user-or-org/model-name'")
     parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--license", default="apache-2.0", help="license id for the model card metadata")
+    parser.add_argument("--license", default="mit", help="license id for the model card metadata (the package's is mit)")
     args = parser.parse_args(argv)
     try:
         publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)

@@ -25,6 +25,8 @@ setup(
         "peft": ["peft>=0.20,<=0.21.2"],
         "hub": ["huggingface_hub>=1.0"],
         "export": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+        "plots": ["matplotlib>=3.8"],  # the PNGs of eval-needle / attention-noise (their tables need nothing)
+        "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
             "pytest>=8",
             "peft>=0.20,<=0.21.2",

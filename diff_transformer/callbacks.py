@@ -41,15 +41,22 @@ def probe_entropies(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> d
 
 
 class LambdaLoggingCallback(TrainerCallback):
-    """On every Trainer log: `lambda/layer_{i}` (index among differential layers) and, with a `probe` batch,
-    `attn_entropy/layer_{i}/branch_{1,2}`.
+    """On every Trainer log: `lambda/layer_{i}` (index among differential layers) and, with a `probe` batch (token
+    ids [batch, seq], or a dict with `input_ids`), `attn_entropy/layer_{i}/branch_{1,2}`.
 
     Values go into `logs` (seen by callbacks after this one) and into `state.log_history`. Reporting integrations
     (wandb, tensorboard) run before user callbacks, so to reach them add this one first:
     `trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(...))`.
     """
 
-    def __init__(self, probe: dict[str, torch.Tensor] | None = None):
+    def __init__(self, probe: torch.Tensor | dict[str, torch.Tensor] | None = None):
+        if isinstance(probe, torch.Tensor):
+            probe = {"input_ids": probe}
+        if probe is not None and "input_ids" not in probe:
+            raise ValueError(
+                f"probe must be token ids [batch, seq] or a batch dict with 'input_ids', got {type(probe).__name__} "
+                f"with keys {sorted(probe)}"
+            )
         self.probe = probe
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):

@@ -1,14 +1,20 @@
-"""`diff-transformer` command line: train a tiny DIFF model (arXiv 2410.05258), generate from a saved one."""
+"""`diff-transformer` command line: train a tiny DIFF model (arXiv 2410.05258), generate from a saved one, convert
+checkpoints and evaluate retrieval, attention noise and outliers. Add --debug to any command to see a traceback."""
 
 import argparse
+import json
+import os
 import random
 import time
+from pathlib import Path
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PrinterCallback,
+    ProgressCallback,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -17,8 +23,128 @@ from transformers import (
 )
 
 from . import DiffConfig, DiffForCausalLM
-from .data import KeyValueTask, TokenBlocks, retrieval_accuracy, task_dataset, text_file_dataset
+from .configuration_diff import check_local_path, check_model_type
+from .data import KeyValueTask, TokenBlocks, read_text_file, retrieval_accuracy, task_dataset, text_file_dataset
+from .evaluation import CITIES
 from .tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default where it has one (not for None / False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line (usage lines omitted: --help shows them), exit status 2, and defaults
+    shown in --help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return int(text)
+
+
+def as_float(text: str) -> float:
+    """float(text), or NaN (which fails every range check) for text that is not a number."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
+def positive_float(text: str) -> float:
+    if not as_float(text) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
+    return float(text)
+
+
+def percent(text: str) -> float:
+    if not 0 <= as_float(text) <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a percentage between 0 and 100")
+    return float(text)
+
+
+def text_file(text: str) -> str:
+    """A readable UTF-8 text file (checked up front: training a tokenizer on anything else fails obscurely)."""
+    try:
+        read_text_file(text)
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def model_folder(text: str) -> str:
+    """A local folder written by save_pretrained, with config.json and a tokenizer."""
+    folder = Path(text)
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
+    if not (folder / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} has no config.json, so it is no saved model folder; "
+                                         f"model.save_pretrained({text!r}) writes one")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
+                                         f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
+    return text
+
+
+def diff_model_folder(text: str) -> str:
+    """A model folder whose config is a DIFF Transformer's."""
+    config = json.loads((Path(model_folder(text)) / "config.json").read_text())
+    try:
+        check_model_type(config, text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def checkpoint(text: str) -> str:
+    """A local folder or a Hub id; a missing local folder fails here rather than after a minute of Hub retries."""
+    try:
+        check_local_path(text)
+    except FileNotFoundError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def parse_layers(text: str) -> list[int]:
+    """'1-11' or '1,3,5' (0-based, ranges inclusive) -> layer indices."""
+    layers = []
+    for part in text.split(","):
+        start, _, end = part.strip().partition("-")
+        if not start.isdigit() or not (end or start).isdigit() or int(end or start) < int(start):
+            raise argparse.ArgumentTypeError(f"{text!r}: give 0-based layers as a range '1-11' or a list '2,4'")
+        layers.extend(range(int(start), int(end or start) + 1))
+    return layers
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(requested: int | None, model: torch.nn.Module) -> None:
+    """--threads, else one thread for a small model or a machine with <= 2 cores, else half the cores."""
+    cores, parameters = usable_cores(), model.num_parameters()
+    if requested is not None:
+        threads, reason = requested, "--threads"
+    elif parameters < SMALL_MODEL or cores <= 2:
+        threads, reason = 1, f"auto for a {parameters / 1e6:.2f}M-parameter model on {cores} cores"
+    else:
+        threads, reason = cores // 2, f"auto: half of {cores} cores"
+    torch.set_num_threads(threads)
+    print(f"using {threads} CPU thread{'s' if threads > 1 else ''} ({reason}; --threads N sets it)")
 
 
 class TimeLimit(TrainerCallback):
@@ -34,6 +160,24 @@ class TimeLimit(TrainerCallback):
             control.should_training_stop = True
             print(f"WARNING: --minutes {self.minutes:g} stopped training at step {state.global_step} of "
                   f"{state.max_steps}; the model may be undertrained (drop --minutes to train all steps)")
+
+
+class QuietProgress(ProgressCallback):
+    """The progress bar with the latest loss on it, and one summary line per quarter of the run instead of every
+    log dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.quarter = 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.training_bar is None or "loss" not in (logs or {}):
+            return
+        self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}")
+        if state.global_step >= self.quarter * state.max_steps / 4:
+            self.training_bar.write(f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}")
+            while self.quarter * state.max_steps / 4 <= state.global_step:
+                self.quarter += 1
 
 
 def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
@@ -72,30 +216,47 @@ def training_generation_config(tokenizer, dataset: TokenBlocks) -> GenerationCon
     )
 
 
-def train(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    print(f"training on {args.threads} CPU thread(s) (--threads)")
-    set_seed(args.seed)
-    task, tokenizer, dataset = build_data(args)
-    model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
-    print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
-    training_args = TrainingArguments(
+def training_arguments(args: argparse.Namespace) -> TrainingArguments:
+    return TrainingArguments(
         output_dir=args.output,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         lr_scheduler_type="cosine",
         warmup_steps=min(100, args.max_steps // 10),
-        logging_steps=50,
+        logging_steps=max(1, min(50, args.max_steps // 20)),
         save_strategy="no",
         report_to=[],
         bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU-only machine needs it said
         seed=args.seed,
         dataloader_num_workers=0,
+        disable_tqdm=False,  # QuietProgress replaces the log printing
     )
+
+
+def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.hidden_size % (2 * args.heads):
+        parser.error(f"--hidden-size ({args.hidden_size}) must be a multiple of 2 * --heads ({2 * args.heads}): "
+                     "each head has two query/key sub-heads of hidden / (2 heads) dims")
+    if args.data is None and args.pairs > args.keys:
+        parser.error(f"--pairs ({args.pairs}) cannot exceed --keys ({args.keys}): each pair uses a distinct key")
+
+
+def train(args: argparse.Namespace) -> None:
+    set_seed(args.seed)
+    task, tokenizer, dataset = build_data(args)
+    model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
+    print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
+    set_threads(args.threads, model)
     callbacks = [] if args.minutes is None else [TimeLimit(args.minutes)]
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-    trainer.train()
+    trainer = Trainer(model=model, args=training_arguments(args), train_dataset=dataset, callbacks=callbacks)
+    for printer in (ProgressCallback, PrinterCallback):
+        trainer.remove_callback(printer)
+    trainer.add_callback(QuietProgress())
+    result = trainer.train()
+    print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
+          f"mean loss {result.training_loss:.4f}")
     model.generation_config = training_generation_config(tokenizer, dataset)
     tokenizer.model_max_length = model.config.max_position_embeddings
     trainer.save_model(args.output)
@@ -108,14 +269,15 @@ def train(args: argparse.Namespace) -> None:
         prompt, answer = task.example(random.Random(args.seed + 1))
         args.prompt = args.prompt or prompt
         print(f"expected answer: {answer}")
-    generate_text(args.output, args.prompt or "ROMEO:", args.max_new_tokens, sample=False)
+    generate_text(args.output, args.prompt or "ROMEO:", args.max_new_tokens, sample=False, model=reloaded)
 
 
-def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool) -> str:
+def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool, model=None) -> str:
     """Continue `prompt`; a folder whose tokenizer has a chat template gets it as a user turn and answers with the
     assistant's reply."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    generator = pipeline("text-generation", model=model_dir, tokenizer=tokenizer)
+    generator = pipeline("text-generation", model=model or AutoModelForCausalLM.from_pretrained(model_dir),
+                         tokenizer=tokenizer)
     generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
     chat = tokenizer.chat_template is not None
     inputs = [{"role": "user", "content": prompt}] if chat else prompt
@@ -127,140 +289,201 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool
     return text
 
 
-def add_train_parser(commands) -> None:
-    parser = commands.add_parser("train", help="train a tiny model (default: synthetic key/value retrieval)")
-    parser.add_argument("--data", help="a UTF-8 text file; omitted: the built-in synthetic retrieval task")
+def run_generate(args: argparse.Namespace) -> None:
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    set_threads(args.threads, model)
+    generate_text(args.model, args.prompt, args.max_new_tokens, args.sample, model=model)
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes."""
+    common = Parser(add_help=False)
+    common.add_argument("--threads", type=positive_int,
+                        help="CPU threads (default: 1 for models under 10M parameters or machines with <= 2 cores, "
+                             "else half the cores; more threads than that oversubscribe a busy machine)")
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    return common
+
+
+def add_train_parser(commands, common) -> Parser:
+    parser = commands.add_parser("train", parents=[common], help="train a tiny model (default: synthetic retrieval)",
+                                 description="Train a DIFF model with Trainer, save it, reload it and generate.")
+    parser.add_argument("--data", type=text_file,
+                        help="a UTF-8 text file to train on, with a byte-level BPE tokenizer trained on it; "
+                             "omitted: the built-in synthetic key/value retrieval task")
     parser.add_argument("--output", default="runs/diff-tiny", help="folder for the model and tokenizer")
-    parser.add_argument("--max-steps", type=int, default=10000, help="training budget in optimizer steps")
-    parser.add_argument("--minutes", type=float, help="optional wall-clock cap; warns when it stops training early")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads; a tiny model trains fastest on one, and more oversubscribe a busy machine")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4, help="differential heads h (head_dim = hidden / 2h)")
-    parser.add_argument("--block-size", type=int, default=128, help="sequence length for text files")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary for text files")
-    parser.add_argument("--examples", type=int, default=100_000, help="synthetic training sequences")
-    parser.add_argument("--pairs", type=int, default=KeyValueTask.num_pairs, help="key/value pairs per sequence")
-    parser.add_argument("--keys", type=int, default=KeyValueTask.num_keys, help="distinct keys (and values)")
-    parser.add_argument("--attn-implementation", default="sdpa")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=positive_int, default=10000, help="training budget in optimizer steps")
+    parser.add_argument("--minutes", type=positive_float,
+                        help="optional wall-clock cap; warns when it stops training before --max-steps")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--learning-rate", type=positive_float, default=5e-3, help="peak AdamW learning rate (cosine)")
+    parser.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    parser.add_argument("--heads", type=positive_int, default=4,
+                        help="differential heads h; head_dim = hidden-size / (2h)")
+    parser.add_argument("--block-size", type=positive_int, default=128, help="sequence length for --data")
+    parser.add_argument("--vocab-size", type=positive_int, default=2048, help="BPE vocabulary size for --data")
+    parser.add_argument("--examples", type=positive_int, default=100_000, help="synthetic training sequences")
+    parser.add_argument("--pairs", type=positive_int, default=KeyValueTask.num_pairs,
+                        help="key/value pairs per synthetic sequence")
+    parser.add_argument("--keys", type=positive_int, default=KeyValueTask.num_keys,
+                        help="distinct keys (and values) of the synthetic task")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
+                        help="attention backend (README, 'Attention backends'); diff_flash needs CUDA and triton")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (also on CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, initialisation and order")
     parser.add_argument("--chat-template", action="store_true",
                         help="save the built-in chat template (<|user|>...</s><|assistant|>...</s>) with the "
                              "tokenizer; the built-in task then trains on chat turns")
-    parser.add_argument("--prompt", help="prompt for the closing generation")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.set_defaults(func=train)
+    parser.add_argument("--prompt", help="prompt for the closing generation (default: a held-out task prompt, or "
+                                         "'ROMEO:' with --data)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens of the closing generation")
+    parser.set_defaults(func=train, check=check_train_args)
+    return parser
 
 
-def add_generate_parser(commands) -> None:
-    parser = commands.add_parser("generate", help="generate from a saved model folder with pipeline()")
-    parser.add_argument("model", help="saved model folder (model + tokenizer)")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+def add_generate_parser(commands, common) -> Parser:
+    parser = commands.add_parser("generate", parents=[common], help="generate from a saved model folder",
+                                 description="Continue a prompt with pipeline('text-generation').")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder (model + tokenizer)")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.set_defaults(func=lambda a: generate_text(a.model, a.prompt, a.max_new_tokens, a.sample))
-
-
-def parse_layers(text: str) -> list[int]:
-    """'1-11' or '1,3,5' (0-based, ranges inclusive) -> layer indices."""
-    layers = []
-    for part in text.split(","):
-        start, _, end = part.partition("-")
-        layers.extend(range(int(start), int(end or start) + 1))
-    return layers
+    parser.set_defaults(func=run_generate)
+    return parser
 
 
 def run_convert(args: argparse.Namespace) -> None:
     from .convert import added_parameters, convert_checkpoint
 
-    options = {} if args.layers is None else {"layers": parse_layers(args.layers)}
+    options = {} if args.layers is None else {"layers": args.layers}
     if args.allow_sliding_window:
         options["allow_sliding_window"] = True
     model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
+    added = added_parameters(model)
     print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
-          f"{added_parameters(model) / 1e6:.3f}M parameters added")
+          f"{added:,} parameters added ({added / (model.num_parameters() - added):+.2%})")
 
 
-def add_convert_parser(commands) -> None:
-    parser = commands.add_parser("convert", help="convert a Llama/Mistral/Qwen2 or DiffLlama checkpoint")
-    parser.add_argument("src", help="source folder or Hub id")
+def add_convert_parser(commands, common) -> Parser:
+    parser = commands.add_parser("convert", parents=[common], help="convert a Llama/Mistral/Qwen2 or DiffLlama model",
+                                 description="Convert a checkpoint into a DIFF model with the same logits.")
+    parser.add_argument("src", type=checkpoint, help="source folder or Hub id")
     parser.add_argument("out", help="output folder (model, generation config, tokenizer files)")
-    parser.add_argument("--layers", help="layers to make differential, e.g. '1-11' or '2,4' (default: all)")
+    parser.add_argument("--layers", type=parse_layers,
+                        help="0-based layers to make differential, e.g. '1-11' or '2,4' (default: all)")
     parser.add_argument("--allow-sliding-window", action="store_true",
                         help="convert a sliding-window model anyway (outputs match only within the window)")
-    parser.add_argument("--dtype", default="auto", help="dtype to load and save in (default: the checkpoint's)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype to load and save in ('auto': the checkpoint's)")
     parser.set_defaults(func=run_convert)
+    return parser
+
+
+def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str, tuple]:
+    """{"diff": (model, tokenizer)} plus "baseline" when given; sets the thread count from the model's size."""
+    from .evaluation import load
+
+    models = {"diff": load(args.model, attn_implementation)}
+    if args.baseline is not None:
+        models["baseline"] = load(args.baseline, attn_implementation)
+    set_threads(args.threads, models["diff"][0])
+    return models
 
 
 def run_eval_needle(args: argparse.Namespace) -> None:
-    from .evaluation import NeedleSettings, run_needle_cli
+    from .evaluation import NeedleSettings, load, run_needle_cli
 
     settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
                               queries=args.queries, samples=args.samples, seed=args.seed)
-    run_needle_cli(args.model, settings, args.output)
+    model, tokenizer = load(args.model)
+    set_threads(args.threads, model)
+    run_needle_cli(model, tokenizer, Path(args.model).name, settings, args.output)
 
 
-def add_eval_needle_parser(commands) -> None:
-    parser = commands.add_parser("eval-needle", help="multi-needle retrieval accuracy per (length, depth)")
-    parser.add_argument("model", help="saved model folder with its tokenizer")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
-    parser.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100], help="answer depths (%%)")
-    parser.add_argument("--needles", type=int, default=6, help="needles N in the context")
-    parser.add_argument("--queries", type=int, default=2, help="query cities R (at the answer depth)")
-    parser.add_argument("--samples", type=int, default=5, help="prompts per (length, depth)")
-    parser.add_argument("--seed", type=int, default=0)
+def add_eval_needle_parser(commands, common) -> Parser:
+    parser = commands.add_parser("eval-needle", parents=[common], help="multi-needle retrieval accuracy",
+                                 description="Multi-needle retrieval (paper §3.4): greedy accuracy per context length "
+                                             "and answer depth. Writes PREFIX.md and, with matplotlib, PREFIX.png.")
+    parser.add_argument("model", type=model_folder,
+                        help="saved model folder with a tokenizer for English text (any causal LM, for baselines)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096],
+                        help="prompt lengths in tokens (context + question)")
+    parser.add_argument("--depths", type=percent, nargs="+", default=[0, 25, 50, 75, 100],
+                        help="depth of the queried needles in the context, in %%")
+    parser.add_argument("--needles", type=positive_int, default=6, help=f"needles N in the context (at most {len(CITIES)})")
+    parser.add_argument("--queries", type=positive_int, default=2,
+                        help="queried needles R (<= --needles), placed together at the depth")
+    parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--output", default="needle", help="output prefix: PREFIX.md and PREFIX.png")
     parser.set_defaults(func=run_eval_needle)
+    return parser
 
 
 def run_attention_noise(args: argparse.Namespace) -> None:
     from .evaluation import run_attention_noise_cli
 
-    run_attention_noise_cli(args.model, args.baseline, args.length, args.needles, args.seed, args.output)
+    run_attention_noise_cli(load_models(args, "eager"), args.length, args.needles, args.seed, args.output)
 
 
-def add_attention_noise_parser(commands) -> None:
-    parser = commands.add_parser("attention-noise", help="attention to the answer span vs the rest (paper Table 3)")
-    parser.add_argument("model", help="saved model folder with its tokenizer")
-    parser.add_argument("--baseline", help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
-    parser.add_argument("--length", type=int, default=1024, help="context length (tokens)")
-    parser.add_argument("--needles", type=int, default=6)
-    parser.add_argument("--seed", type=int, default=0)
+def add_attention_noise_parser(commands, common) -> Parser:
+    parser = commands.add_parser("attention-noise", parents=[common], help="attention to the answer vs the rest",
+                                 description="Attention of the answering position to the answer needle and to the "
+                                             "rest of the context per layer (paper Table 3). Writes PREFIX.md and, "
+                                             "with matplotlib, PREFIX.png.")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
+    parser.add_argument("--baseline", type=model_folder,
+                        help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
+    parser.add_argument("--length", type=positive_int, default=1024, help="prompt length in tokens")
+    parser.add_argument("--needles", type=positive_int, default=6, help=f"needles in the context (at most {len(CITIES)})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
     parser.set_defaults(func=run_attention_noise)
+    return parser
 
 
 def run_outliers(args: argparse.Namespace) -> None:
     from .evaluation import run_outliers_cli
 
-    run_outliers_cli(args.model, args.baseline, args.length, args.top_k, args.seed)
+    run_outliers_cli(load_models(args, "sdpa"), args.length, args.top_k, args.seed)
 
 
-def add_outliers_parser(commands) -> None:
-    parser = commands.add_parser("outliers", help="top-k activation magnitudes vs the median (paper Table 5)")
-    parser.add_argument("model", help="saved model folder with its tokenizer")
-    parser.add_argument("--baseline", help="saved baseline model using the same tokenizer")
-    parser.add_argument("--length", type=int, default=512, help="tokens of the probe text")
-    parser.add_argument("--top-k", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+def add_outliers_parser(commands, common) -> Parser:
+    parser = commands.add_parser("outliers", parents=[common], help="top-k activation magnitudes vs the median",
+                                 description="Top-k magnitudes and the median of attention logits and hidden "
+                                             "states (paper Table 5).")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
+    parser.add_argument("--baseline", type=model_folder, help="saved baseline model using the same tokenizer")
+    parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")
+    parser.add_argument("--top-k", type=positive_int, default=3, help="largest magnitudes to report")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the probe text")
     parser.set_defaults(func=run_outliers)
+    return parser
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="diff-transformer", description=__doc__)
+    commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
+    common = common_options()
+    for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
+                add_attention_noise_parser, add_outliers_parser):
+        command = add(commands, common)
+        command.set_defaults(command_parser=command)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
-    commands = parser.add_subparsers(required=True, dest="command")
-    add_train_parser(commands)
-    add_generate_parser(commands)
-    add_convert_parser(commands)
-    add_eval_needle_parser(commands)
-    add_attention_noise_parser(commands)
-    add_outliers_parser(commands)
-    args = parser.parse_args(argv)
-    args.func(args)
+    args = build_parser().parse_args(argv)
+    command = args.command_parser
+    if hasattr(args, "check"):
+        args.check(args, command)
+    try:
+        args.func(args)
+    except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
+        if args.debug:
+            raise
+        command.exit(2, f"{command.prog}: error: {' '.join(str(error).split())} (--debug shows the traceback)\n")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,51 @@
 """Configuration of the Differential Transformer (Ye et al., "Differential Transformer", arXiv 2410.05258)."""
 
+import difflib
 import math
+import os
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 ATTENTION_TYPES = ("differential", "standard")
+# keyword arguments PreTrainedConfig itself consumes, which may look like one of our fields
+BASE_KWARGS = {"output_attentions", "attn_implementation", "experts_implementation", "name_or_path", "torch_dtype"}
+
+
+def check_local_path(path: str | os.PathLike) -> None:
+    """Raise `FileNotFoundError` for a missing folder that is plainly meant as local: `./x`, `/x`, `~/x`, `x` alone,
+    `a/b/c`, or `a/b` where `a/` exists here. transformers would ask the Hub for it instead, which takes up to a
+    minute to fail without a connection. `user/model` with no local `user/` stays a Hub id."""
+    text = os.fspath(path)
+    if os.path.exists(os.path.expanduser(text)):
+        return
+    first = text.split("/")[0]
+    local = text.startswith((".", "/", "~", "\\")) or text.count("/") != 1 or os.path.isdir(first)
+    if local:
+        raise FileNotFoundError(
+            f"no such folder: {text} (looked in {os.getcwd()}); give the folder save_pretrained() wrote, "
+            "or a Hub id 'user/model'"
+        )
+
+
+def check_model_type(config_dict: dict, source: str | os.PathLike) -> None:
+    """Raise `ValueError` when `source` holds another architecture, which would otherwise load as a random model."""
+    found = config_dict.get("model_type", DiffConfig.model_type)
+    if found != DiffConfig.model_type:
+        raise ValueError(
+            f"{os.fspath(source)} holds a '{found}' model, not a DIFF Transformer ('{DiffConfig.model_type}'); "
+            f"convert it first with `diff-transformer convert {os.fspath(source)} OUT` (Llama, Mistral, Qwen2 and "
+            "DiffLlama checkpoints), or load it with AutoModelForCausalLM"
+        )
+
+
+def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
+    """Unknown keyword arguments that closely match a field (`num_heads` -> `num_attention_heads`): transformers
+    keeps unknown keys as plain attributes, so such a typo would be silently ignored."""
+    ignored = BASE_KWARGS | set(GenerationConfig._get_default_generation_params())
+    matches = {key: difflib.get_close_matches(key, fields, n=2, cutoff=0.6) for key in kwargs if key not in ignored}
+    return {key: found for key, found in matches.items() if found and not key.startswith("_")}
 
 
 class DiffConfig(PreTrainedConfig):
@@ -77,6 +117,7 @@ class DiffConfig(PreTrainedConfig):
     attention_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
+        self.check_unknown(kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -92,6 +133,24 @@ class DiffConfig(PreTrainedConfig):
             self.attention_types = ["differential"] * self.num_hidden_layers
         self.validate_diff()
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' lookup, but a missing local folder and a checkpoint of another architecture are refused
+        with the fix (DiffForCausalLM.from_pretrained comes through here too)."""
+        check_local_path(pretrained_model_name_or_path)
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        check_model_type(config_dict, pretrained_model_name_or_path)
+        return config_dict, kwargs
+
+    def check_unknown(self, kwargs: dict) -> None:
+        own = [name for name in DiffConfig.__annotations__ if not name.startswith("_") and name != "model_type"]
+        for key, matches in misspelled_fields(kwargs, own).items():
+            self._check(
+                False,
+                f"unknown field {key!r}; did you mean {' or '.join(map(repr, matches))}? (transformers would keep "
+                "it as an unused attribute)",
+            )
 
     @staticmethod
     def _check(condition: bool, message: str) -> None:
@@ -147,4 +206,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-__all__ = ["DiffConfig"]
+__all__ = ["DiffConfig", "check_local_path", "check_model_type"]

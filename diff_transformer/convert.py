@@ -222,12 +222,15 @@ def convert_checkpoint(src: str, out: str, dtype: str = "auto", **options) -> Di
 
 
 def added_parameters(model: DiffForCausalLM) -> int:
-    """Parameters the conversion adds: branch-2 q/k rows (and biases) plus 4d lambda values per converted layer."""
+    """Parameters `convert` added: per converted Llama-family layer the branch-2 q/k rows (and biases) plus 4d lambda
+    values; per imported DiffLlama layer (the only conversion with SubLN) the SubLN gain, which DiffLlama lacks."""
     config = model.config
+    layers = config.attention_types.count("differential")
+    if config.use_subln:
+        return config.value_head_dim * layers
     d, hidden = config.head_dim, config.hidden_size
     heads = config.num_attention_heads + config.num_key_value_heads
-    per_layer = heads * d * (hidden + int(config.attention_bias)) + 4 * d
-    return per_layer * config.attention_types.count("differential")
+    return (heads * d * (hidden + int(config.attention_bias)) + 4 * d) * layers
 
 
 __all__ = ["convert", "convert_llama_family", "import_diffllama", "convert_checkpoint", "added_parameters"]

@@ -19,6 +19,11 @@ class KeyValueTask:
     num_values: int = 16
     num_pairs: int = 2
 
+    def __post_init__(self):
+        if not 1 <= self.num_pairs <= self.num_keys or self.num_values < 1:
+            raise ValueError(f"KeyValueTask needs 1 <= num_pairs ({self.num_pairs}) <= num_keys ({self.num_keys}) "
+                             f"and num_values >= 1 (got {self.num_values}): the pairs of a sequence use distinct keys")
+
     def vocabulary(self) -> list[str]:
         return [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)] + ["?"]
 
@@ -73,11 +78,24 @@ def task_dataset(task: KeyValueTask, tokenizer: PreTrainedTokenizerFast, count: 
     return TokenBlocks([encode_example(tokenizer, *task.example(rng)) for _ in range(count)])
 
 
+def read_text_file(path: str | Path) -> str:
+    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing or not UTF-8 text."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
+        ) from None
+
+
 def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:
     """Tokenize a whole text file and cut it into blocks of `<s>` and `block_size - 1` tokens (the tail is dropped):
     every training sequence starts as the tokenizer starts every text."""
-    text = Path(path).read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # verbose=False: the file is one long sequence on purpose; it is cut into blocks below
+    ids = tokenizer(read_text_file(path), add_special_tokens=False, verbose=False)["input_ids"]
     step = block_size - 1
     if len(ids) < step:
         raise ValueError(f"{path} has {len(ids)} tokens, fewer than one block of {block_size}; use --block-size")

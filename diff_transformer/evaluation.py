@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
@@ -42,6 +43,18 @@ class NeedleSettings:
     seed: int = 0
     digits: int = 4
 
+    def __post_init__(self):
+        require(self.lengths and min(self.lengths) > 0, f"lengths must be positive token counts, got {self.lengths}")
+        require(self.depths and all(0 <= d <= 100 for d in self.depths),
+                f"depths are percentages between 0 and 100, got {self.depths}")
+        require(1 <= self.needles <= len(CITIES),
+                f"needles must be between 1 and {len(CITIES)} (one city each), got {self.needles}")
+        require(1 <= self.queries <= self.needles,
+                f"queries must be between 1 and needles ({self.needles}): the queried needles are among them, "
+                f"got {self.queries}")
+        require(self.samples >= 1 and self.digits >= 1, f"samples and digits must be >= 1, got {self.samples}, "
+                f"{self.digits}")
+
 
 @dataclass
 class NeedlePrompt:
@@ -54,35 +67,76 @@ class NeedlePrompt:
         return f"{self.context} What is the magic number of {city}? The magic number of {city} is"
 
 
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
 def needle(city: str, number: str) -> str:
     return f"The magic number of {city} is {number}."
 
 
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A word-level tokenizer (such as the synthetic task's) maps the prompts to <unk>, and every answer scores 0."""
+    sample = needle(CITIES[0], "1234")
+    ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    require(tokenizer.unk_token_id is None or tokenizer.unk_token_id not in ids,
+            f"the tokenizer cannot encode the needle text ({sample!r} becomes {tokenizer.decode(ids)!r}); use a "
+            "model whose tokenizer covers English text, e.g. one trained with `diff-transformer train --data FILE`")
+
+
+def prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt, queries: int) -> int:
+    """Tokens of the longest question prompt, special tokens included (what the model reads)."""
+    return max(len(tokenizer(prompt.question(i))["input_ids"]) for i in range(queries))
+
+
 def filler_sentences(tokenizer: PreTrainedTokenizerBase, length: int, rng: random.Random) -> list[str]:
-    """Random filler sentences totalling about `length` tokens."""
+    """Random filler sentences totalling at most `length` tokens (and within one sentence of it)."""
     sentences, total = [], 0
-    while total < length:
+    while True:
         sentence = rng.choice(FILLER)
+        size = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        if total + size > length:
+            return sentences
         sentences.append(sentence)
-        total += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
-    return sentences
+        total += size
+
+
+def place_needles(sentences: list[str], needles: list[tuple[str, str]], depth: float, settings: NeedleSettings,
+                  rng: random.Random) -> NeedlePrompt:
+    """The unqueried needles at random places, the R queried ones together at `depth` percent."""
+    for city, number in needles[settings.queries :]:
+        sentences.insert(rng.randrange(len(sentences) + 1), needle(city, number))
+    at = round(depth / 100 * len(sentences))
+    answers = needles[: settings.queries]
+    sentences[at:at] = [needle(c, n) for c, n in answers]
+    context = " ".join(sentences)
+    spans = [(context.index(needle(c, n)), context.index(needle(c, n)) + len(needle(c, n))) for c, n in answers]
+    return NeedlePrompt(context, answers, spans)
 
 
 def build_needle_prompt(
     tokenizer: PreTrainedTokenizerBase, length: int, depth: float, settings: NeedleSettings, rng: random.Random
 ) -> NeedlePrompt:
-    """Filler of ~`length` tokens with N needles; the R queried ones sit together at `depth` percent."""
+    """Filler with N needles, the R queried ones together at `depth` percent; each question prompt (context and
+    question, special tokens included) has at most `length` tokens, and at least `length` minus one filler
+    sentence."""
+    check_tokenizer(tokenizer)
     cities = rng.sample(CITIES, settings.needles)
-    numbers = [str(rng.randrange(10 ** (settings.digits - 1), 10**settings.digits)) for _ in cities]
-    sentences = filler_sentences(tokenizer, length, rng)
-    for city, number in zip(cities[settings.queries :], numbers[settings.queries :]):
-        sentences.insert(rng.randrange(len(sentences) + 1), needle(city, number))
-    at = round(depth / 100 * len(sentences))
-    sentences[at:at] = [needle(c, n) for c, n in zip(cities[: settings.queries], numbers[: settings.queries])]
-    context = " ".join(sentences)
-    answers = list(zip(cities[: settings.queries], numbers[: settings.queries]))
-    spans = [(context.index(needle(c, n)), context.index(needle(c, n)) + len(needle(c, n))) for c, n in answers]
-    return NeedlePrompt(context, answers, spans)
+    needles = [(city, str(rng.randrange(10 ** (settings.digits - 1), 10**settings.digits))) for city in cities]
+    budget = length - prompt_tokens(tokenizer, place_needles([], needles, depth, settings, rng), settings.queries)
+    state = rng.getstate()
+    while budget >= 0:
+        prompt = place_needles(filler_sentences(tokenizer, budget, rng), needles, depth, settings, rng)
+        excess = prompt_tokens(tokenizer, prompt, settings.queries) - length
+        if excess <= 0:
+            return prompt
+        budget -= excess  # sentences joined in the context may tokenize a little longer than counted one by one
+        rng.setstate(state)
+    raise ValueError(
+        f"a {length}-token prompt cannot hold {settings.needles} needles and the question "
+        f"({length - budget} tokens with this tokenizer); use a longer length or fewer needles"
+    )
 
 
 def answer_correct(model, tokenizer: PreTrainedTokenizerBase, prompt: str, number: str) -> bool:
@@ -93,17 +147,28 @@ def answer_correct(model, tokenizer: PreTrainedTokenizerBase, prompt: str, numbe
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip().startswith(number)
 
 
-def needle_accuracy(model, tokenizer: PreTrainedTokenizerBase, settings: NeedleSettings) -> dict:
-    """{(length, depth): share of queried needles answered correctly} over `samples` seeded prompts each."""
-    results = {}
-    for length in settings.lengths:
-        for depth in settings.depths:
-            rng = random.Random(f"{settings.seed}-{length}-{depth}")
-            prompts = [build_needle_prompt(tokenizer, length, depth, settings, rng) for _ in range(settings.samples)]
-            hits = [answer_correct(model, tokenizer, p.question(i), p.answers[i][1])
-                    for p in prompts for i in range(settings.queries)]
-            results[(length, depth)] = sum(hits) / len(hits)
-    return results
+def cell_accuracy(model, tokenizer: PreTrainedTokenizerBase, settings: NeedleSettings, length: int, depth: float,
+                  bar: tqdm) -> float:
+    """Share of the queried needles answered correctly over `samples` prompts seeded by (seed, length, depth)."""
+    rng = random.Random(f"{settings.seed}-{length}-{depth}")
+    prompts = [build_needle_prompt(tokenizer, length, depth, settings, rng) for _ in range(settings.samples)]
+    hits = []
+    for prompt in prompts:
+        for i in range(settings.queries):
+            hits.append(answer_correct(model, tokenizer, prompt.question(i), prompt.answers[i][1]))
+            bar.update()
+    return sum(hits) / len(hits)
+
+
+def needle_accuracy(
+    model, tokenizer: PreTrainedTokenizerBase, settings: NeedleSettings, progress: bool = False
+) -> dict:
+    """{(length, depth): share of queried needles answered correctly} over `samples` seeded prompts each;
+    `progress` shows a bar of prompts done out of the total."""
+    total = len(settings.lengths) * len(settings.depths) * settings.samples * settings.queries
+    with tqdm(total=total, desc="needle prompts", unit="prompt", disable=not progress) as bar:
+        return {(length, depth): cell_accuracy(model, tokenizer, settings, length, depth, bar)
+                for length in settings.lengths for depth in settings.depths}
 
 
 def accuracy_table(results: dict, settings: NeedleSettings) -> str:
@@ -116,12 +181,23 @@ def accuracy_table(results: dict, settings: NeedleSettings) -> str:
     return "\n".join(lines)
 
 
-def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, title: str) -> None:
-    import matplotlib
-
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, title: str) -> bool:
+    """Write the accuracy heatmap; False (nothing written) when matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return False
     grid = [[results[(length, d)] for d in settings.depths] for length in settings.lengths]
     fig, ax = plt.subplots(figsize=(1.2 * len(settings.depths) + 2, 0.6 * len(settings.lengths) + 2))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -134,6 +210,7 @@ def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, titl
     fig.colorbar(image, ax=ax)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
+    return True
 
 
 def load(model_dir: str, attn_implementation: str = "sdpa"):
@@ -141,16 +218,23 @@ def load(model_dir: str, attn_implementation: str = "sdpa"):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def run_needle_cli(model_dir: str, settings: NeedleSettings, output: str) -> str:
-    """Print and write PREFIX.md (table) and PREFIX.png (heatmap); return the table."""
-    model, tokenizer = load(model_dir)
-    results = needle_accuracy(model, tokenizer, settings)
-    title = f"multi-needle N={settings.needles} R={settings.queries}: {Path(model_dir).name}"
-    table = f"{title}\n\n{accuracy_table(results, settings)}\n"
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{output}.md").write_text(table)
-    save_heatmap(results, settings, f"{output}.png", title)
+def write_report(table: str, output: str, plot) -> None:
+    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed."""
     print(table)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{output}.md").write_text(table + "\n")
+    if plot(f"{output}.png"):
+        print(f"wrote {output}.md and {output}.png")
+    else:
+        print(f"wrote {output}.md; matplotlib is not installed, so no {output}.png (pip install matplotlib)")
+
+
+def run_needle_cli(model, tokenizer, name: str, settings: NeedleSettings, output: str) -> str:
+    """Print and write PREFIX.md (table) and PREFIX.png (heatmap); return the table."""
+    results = needle_accuracy(model, tokenizer, settings, progress=True)
+    title = f"multi-needle N={settings.needles} R={settings.queries}: {name}"
+    table = f"{title}\n\n{accuracy_table(results, settings)}"
+    write_report(table, output, lambda path: save_heatmap(results, settings, path, title))
     return table
 
 
@@ -176,6 +260,10 @@ def last_row_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], l
 
 def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt) -> dict:
     """Answer share and noise (attention to the rest of the context) per layer and their means (eager models)."""
+    require(model.config._attn_implementation == "eager",
+            f"attention_noise reads attention maps, which only eager attention returns, but the model runs "
+            f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
+            "model.set_attn_implementation(\"eager\") first")
     positions = span_positions(tokenizer, prompt.question(0), prompt)
     rows, branch_rows = last_row_maps(model, positions["input_ids"])
     answer = [row[positions["answer"]].sum().item() for row in rows]
@@ -201,14 +289,12 @@ def noise_table(reports: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def save_noise_plot(reports: dict[str, dict], path: str | Path) -> None:
+def save_noise_plot(reports: dict[str, dict], path: str | Path) -> bool:
     """Layer-averaged attention of the answering position over the prompt: DIFF A1, lambda A2, A1 - lambda A2,
-    and each other model's map; the answer needle is shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    and each other model's map; the answer needle is shaded. False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     curves = []
     for name, report in reports.items():
         if report["branch_rows"]:
@@ -225,22 +311,17 @@ def save_noise_plot(reports: dict[str, dict], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
-def run_attention_noise_cli(
-    model_dir: str, baseline_dir: str | None, length: int, needles: int, seed: int, output: str
-) -> str:
-    """Same prompt (model's tokenizer) for the model and the baseline; write PREFIX.md and PREFIX.png."""
-    models = {"diff": load(model_dir, "eager")}
-    if baseline_dir is not None:
-        models["baseline"] = load(baseline_dir, "eager")
+def run_attention_noise_cli(models: dict[str, tuple], length: int, needles: int, seed: int, output: str) -> str:
+    """{name: (eager model, tokenizer)}, the first one DIFF: the same prompt (its tokenizer) for every model; print
+    and write PREFIX.md and PREFIX.png."""
     settings = NeedleSettings(needles=needles, queries=1)
-    prompt = build_needle_prompt(models["diff"][1], length, 50, settings, random.Random(seed))
+    prompt = build_needle_prompt(next(iter(models.values()))[1], length, 50, settings, random.Random(seed))
     reports = {name: attention_noise(model, tokenizer, prompt) for name, (model, tokenizer) in models.items()}
     table = noise_table(reports)
-    Path(f"{output}.md").write_text(table + "\n")
-    save_noise_plot(reports, f"{output}.png")
-    print(table)
+    write_report(table, output, lambda path: save_noise_plot(reports, path))
     return table
 
 
@@ -261,13 +342,16 @@ def attention_logits(module: torch.nn.Module, hidden: torch.Tensor, position_emb
 
 def magnitude_stats(values: list[torch.Tensor], top_k: int) -> dict:
     """Top-k of |x| over all chunks and the median of the per-chunk medians (exact for one chunk)."""
-    tops = torch.cat([v.abs().flatten().topk(min(top_k, v.numel())).values for v in values]).topk(top_k).values
+    tops = torch.cat([v.abs().flatten().topk(min(top_k, v.numel())).values for v in values])
+    tops = tops.topk(min(top_k, tops.numel())).values
     median = torch.stack([v.abs().flatten().median() for v in values]).median()
     return {"top": tops.tolist(), "median": median.item(), "ratio": (tops[0] / median).item()}
 
 
 def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
     """Table 5: attention logits (causal entries, per layer) and hidden states (every layer output)."""
+    require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    require(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
     logits: list[torch.Tensor] = []
 
     def hook(module, args, kwargs):
@@ -297,11 +381,10 @@ def outlier_table(reports: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run_outliers_cli(model_dir: str, baseline_dir: str | None, length: int, top_k: int, seed: int) -> str:
-    models = {"diff": load(model_dir)}
-    if baseline_dir is not None:
-        models["baseline"] = load(baseline_dir)
-    text = " ".join(filler_sentences(models["diff"][1], length, random.Random(seed)))
+def run_outliers_cli(models: dict[str, tuple], length: int, top_k: int, seed: int) -> str:
+    """{name: (model, tokenizer)}: the same filler text, `length` tokens of it per model; print the table."""
+    # twice the length: enough text for `length` tokens with the first model's tokenizer and a coarser baseline's
+    text = " ".join(filler_sentences(next(iter(models.values()))[1], 2 * length, random.Random(seed)))
     reports = {}
     for name, (model, tokenizer) in models.items():
         ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]

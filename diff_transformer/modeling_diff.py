@@ -52,7 +52,7 @@ from transformers.utils import can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_diff import DiffConfig
+from .configuration_diff import DiffConfig, check_local_path
 from .folder_defaults import saved_folder_defaults
 from .peft_defaults import register_peft_defaults
 from .tiled_diff_attention import autocast_off, tiled_diff_attention, tiled_pays
@@ -561,8 +561,11 @@ class DiffPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loading; a truncated or corrupt safetensors file is reported with its folder and the fix
-        (safetensors' own message names neither)."""
+        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), and a
+        truncated or corrupt safetensors file is reported with its folder and the fix (safetensors' own message
+        names neither)."""
+        if pretrained_model_name_or_path is not None:
+            check_local_path(pretrained_model_name_or_path)
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as error:
@@ -744,9 +747,9 @@ def capture_branch_attentions(model: nn.Module) -> Iterator[list[tuple[torch.Ten
     """
     if differential_layers(model) and model.config._attn_implementation != "eager":
         raise ValueError(
-            f"capture_branch_attentions needs the eager backend, the only one that forms A1 and A2; this model uses "
-            f"'{model.config._attn_implementation}': load it with attn_implementation='eager' or call "
-            "model.set_attn_implementation('eager')"
+            f"capture_branch_attentions needs the eager attention maps, but the model runs "
+            f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
+            "model.set_attn_implementation(\"eager\") first"
         )
     maps: list = []
     token = BRANCH_MAPS.set(maps)

@@ -64,10 +64,29 @@ def train_bpe_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     if files:
-        tokenizer.train(files, trainer)
+        train_on_files(tokenizer, files, trainer)
     if texts is not None:
         tokenizer.train_from_iterator(texts, trainer)
     return _wrap(tokenizer, chat_template, model_max_length, extra_special_tokens)
+
+
+def train_on_files(tokenizer: Tokenizer, files: list[str], trainer: trainers.Trainer) -> None:
+    """`tokenizer.train`, naming the files that are not UTF-8 text (the tokenizers library names none)."""
+    try:
+        tokenizer.train(files, trainer)
+    except Exception as error:
+        if "UTF-8" not in str(error):
+            raise
+        binary = [f for f in files if not utf8(Path(f).read_bytes())]
+        raise ValueError(f"not UTF-8 text: {binary}; give plain text files (convert with iconv -t utf-8)") from error
+
+
+def utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def build_word_tokenizer(

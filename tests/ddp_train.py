@@ -1,8 +1,11 @@
-"""Fine-tune a tiny DiffForCausalLM with Trainer; run under torchrun for data parallelism (gloo on CPU).
+"""Fine-tune a tiny DiffForCausalLM with Trainer; run under torchrun or accelerate launch for data parallelism
+(gloo on CPU, NCCL on GPUs).
 
     torchrun --nproc_per_node 2 tests/ddp_train.py OUT_DIR PER_DEVICE_BATCH
+    accelerate launch --config_file configs/accelerate_cpu_ddp.yaml tests/ddp_train.py OUT_DIR PER_DEVICE_BATCH
 
-Rank 0 writes the logged loss per step to OUT_DIR/losses.json. Used by tests/test_accelerate.py.
+Rank 0 prints the number of processes and writes it with the logged loss per step to OUT_DIR/losses.json
+(`{"processes": N, "losses": {step: loss}}`). Used by tests/test_accelerate.py.
 """
 
 import json
@@ -32,8 +35,8 @@ def train(output_dir: str, per_device_batch: int) -> dict[int, float]:
     model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
     args = TrainingArguments(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device_batch, learning_rate=3e-3,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
-        ddp_backend="gloo" if "LOCAL_RANK" in os.environ else None,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
+        ddp_backend="gloo" if "LOCAL_RANK" in os.environ and not torch.cuda.is_available() else None,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=task_dataset(task, tokenizer, count=64, seed=0))
@@ -44,13 +47,14 @@ def train(output_dir: str, per_device_batch: int) -> dict[int, float]:
 def main() -> None:
     output_dir, per_device_batch = sys.argv[1], int(sys.argv[2])
     losses = train(output_dir, per_device_batch)
-    rank = 0
+    rank, processes = 0, 1
     if torch.distributed.is_initialized():
         # Tear gloo down explicitly: left to interpreter exit, its threads sometimes abort the process (SIGABRT).
-        rank = torch.distributed.get_rank()
+        rank, processes = torch.distributed.get_rank(), torch.distributed.get_world_size()
         torch.distributed.destroy_process_group()
     if rank == 0:
-        Path(output_dir, "losses.json").write_text(json.dumps(losses))
+        print(f"{processes} process(es) x batch {per_device_batch} = global batch {processes * per_device_batch}")
+        Path(output_dir, "losses.json").write_text(json.dumps({"processes": processes, "losses": losses}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """accelerate integration (issue #4): device_map="auto" loading, init_empty_weights, and 2-process data-parallel
-training (torchrun, gloo on CPU) that matches one process with the same global batch."""
+training (torchrun and the README's `accelerate launch` config, gloo on CPU) that matches one process with the same
+global batch."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from diff_transformer import DiffForCausalLM
 
 DDP_RTOL = 1e-5  # gradients all-reduced over 2 halves vs one batch: summation order only
-
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +55,29 @@ def test_init_empty_weights_then_dispatch(saved):
         assert_close(model(batch).logits, logits, torch.float32, "init_empty_weights + dispatch logits")
 
 
-def test_two_process_data_parallel_matches_single_process(tmp_path):
-    single = ddp_train.train(str(tmp_path / "single"), per_device_batch=ddp_train.GLOBAL_BATCH)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-        str(Path(__file__).with_name("ddp_train.py")), str(tmp_path / "ddp"), str(ddp_train.GLOBAL_BATCH // 2),
-    ]
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory) -> dict[int, float]:
+    return ddp_train.train(str(tmp_path_factory.mktemp("single")), per_device_batch=ddp_train.GLOBAL_BATCH)
+
+
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"],
+    # the README's command: accelerate 1.15 starts one process for a MULTI_CPU config, so this checks it starts two
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "configs" / "accelerate_cpu_ddp.yaml")],
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_process_data_parallel_matches_single_process(single_process_losses, tmp_path, launcher):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    command = [*LAUNCHERS[launcher], str(ROOT / "tests" / "ddp_train.py"), str(tmp_path), str(ddp_train.GLOBAL_BATCH // 2)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ddp = {int(k): v for k, v in json.loads((tmp_path / "ddp" / "losses.json").read_text()).items()}
+    report = json.loads((tmp_path / "losses.json").read_text())
+    assert report["processes"] == 2, f"{launcher} started {report['processes']} process(es), not 2"
+    ddp = {int(k): v for k, v in report["losses"].items()}
+    single = single_process_losses
     assert sorted(ddp) == sorted(single) == list(range(1, ddp_train.STEPS + 1))
     a, e = torch.tensor([ddp[s] for s in sorted(ddp)]), torch.tensor([single[s] for s in sorted(single)])
     diff = (a - e).abs()
@@ -75,9 +89,9 @@ def test_two_process_data_parallel_matches_single_process(tmp_path):
 def test_launch_configs_parse(name):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = ROOT / "configs"
     config = load_config_from_file(str(root / f"{name}.yaml"))
-    assert config.distributed_type in {"FSDP", "DEEPSPEED", "MULTI_CPU"}
+    assert config.distributed_type in {"FSDP", "DEEPSPEED", "MULTI_GPU"}
     if name == "accelerate_fsdp":
         assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DiffDecoderLayer"
     if name == "accelerate_deepspeed_zero3":

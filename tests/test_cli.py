@@ -38,9 +38,12 @@ def generated_line(output: str) -> str:
 
 def test_train_default_task_then_generate(tmp_path, capsys):
     folder = tmp_path / "tiny"
-    main(["train", "--max-steps", "30", "--examples", "500", "--output", str(folder)])
+    main(["train", "--max-steps", "30", "--examples", "500", "--output", str(folder), "--bf16"])  # bf16 on CPU
     output = capsys.readouterr().out
     assert "reloaded through AutoModelForCausalLM: DiffForCausalLM" in output, output
+    assert "using 1 CPU thread (auto for a 0.10M-parameter model" in output, output
+    quarters = re.findall(r"^step (\d+)/30: loss \d+\.\d{4}$", output, flags=re.MULTILINE)
+    assert quarters == ["8", "15", "23", "30"] and "{'loss'" not in output, output  # a few lines, not every log
     assert re.search(r"^retrieval accuracy on held-out prompts: [01]\.\d{3}$", output, flags=re.MULTILINE), output
     assert isinstance(AutoModelForCausalLM.from_pretrained(folder), DiffForCausalLM)
 

@@ -122,13 +122,15 @@ def test_parameter_cost():
 @pytest.mark.parametrize(
     ("backend", "kv_heads"), [("eager", 2), ("sdpa", 2), ("sdpa", 4)], ids=["eager-GQA", "sdpa-GQA", "sdpa-MHA"]
 )
-def test_diffllama_import_identical(backend, kv_heads, tmp_path):
+def test_diffllama_import_identical(backend, kv_heads, tmp_path, capsys):
     source = random_source("diffllama", num_key_value_heads=kv_heads)
     source.set_attn_implementation(backend)
     source.save_pretrained(tmp_path / "src")
     with pytest.warns(UserWarning, match="no tokenizer files found"):
         main(["convert", str(tmp_path / "src"), str(tmp_path / "out")])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation=backend)
+    added = model.num_parameters() - source.num_parameters()
+    assert added == 3 * 32 and f" {added} parameters added (+" in capsys.readouterr().out, "the SubLN gains"
     config = model.config
     assert (config.num_attention_heads, config.num_key_value_heads, config.value_head_dim) == (2, kv_heads // 2, 32)
     assert config.use_subln and config.lambda_init is None

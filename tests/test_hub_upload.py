@@ -33,7 +33,7 @@ def load_script():
 def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(ROOT / "hub_upload.py"), *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_model_card_metadata(prepared):
     assert text.startswith("---\n")
     metadata = yaml.safe_load(text.split("---\n")[1])
     assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
-    assert metadata["license"] == "apache-2.0" and "diff-transformer" in metadata["tags"]
+    assert metadata["license"] == "mit" and "diff-transformer" in metadata["tags"]
     assert metadata["base_model"] == "meta-llama/Llama-3.2-1B"
     assert "trust_remote_code=True" in text and "| `hidden_size` | `64` |" in text
 
@@ -158,3 +158,18 @@ def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
     }[case]
     assert script.main(args) == 1
     assert fragment in capsys.readouterr().err
+
+
+def test_failed_check_leaves_the_folder_unchanged(tmp_path, monkeypatch, capsys):
+    folder = save_tiny_folder(tmp_path / "model")
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    script = load_script()
+
+    def failing_check(staged, label):
+        assert (staged / "README.md").is_file() and staged != folder, "the check must see the prepared copy"
+        raise script.UploadError(f"{label} would not load with trust_remote_code=True (left unchanged)")
+
+    monkeypatch.setattr(script, "check_remote_loading", failing_check)
+    assert script.main([str(folder), "someone/x", "--dry-run"]) == 1
+    assert "would not load with trust_remote_code=True (left unchanged)" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before

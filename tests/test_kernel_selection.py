@@ -69,5 +69,5 @@ def test_diff_flash_is_an_error_for_other_models():
 
 def test_capture_branch_attentions_needs_eager():
     model = build_stack("sdpa", "V1-GQA")
-    with pytest.raises(ValueError, match="attn_implementation='eager'"), capture_branch_attentions(model):
+    with pytest.raises(ValueError, match='attn_implementation="eager"'), capture_branch_attentions(model):
         pass

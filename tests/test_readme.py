@@ -1,0 +1,197 @@
+"""Every code block of the README runs as written (issue #18).
+
+The blocks run in README order, as a reader runs them: in one working folder (with the repository's `tests/`,
+`configs/` and `hub_upload.py` beside them, as in a clone) and one Python namespace, so a snippet may use what an
+earlier one defined. The placeholders the README names (`my_corpus.txt`, `path/to/llama`, `out/my-model`,
+`out/llama-baseline`) are made first. Each block needs an entry in BLOCKS, so a new or changed block cannot go
+untested; a test runs the blocks before its own that it has not run yet.
+"""
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.evaluation import CITIES, FILLER, needle
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+SKIP = "skip: "
+# A text that identifies each block -> how it is tested: "fast" (default run), "slow", "gpu", "isolated" (slow, in a
+# fresh copy of the repository with its own venv), or "skip: why".
+BLOCKS = {
+    "python3 -m venv .venv": "isolated",
+    "bash .ci/run": SKIP + "the test suite itself",
+    "config = DiffConfig(vocab_size=1000": "fast",
+    "capture_branch_attentions(model) as branches": "fast",
+    'pip install -e ".[triton]"': SKIP + "installs the GPU backends (CUDA)",
+    "tokenizer = train_bpe_tokenizer(": "fast",
+    'args = TrainingArguments("runs/trainer"': "slow",
+    "diff-transformer train --data my_corpus.txt --output runs/my-model": "slow",
+    "modules_to_save=DIFF_TRAINABLE_MODULES))": "slow",
+    'generator = pipeline("text-generation", model="runs/my-model")': "slow",
+    "with init_empty_weights():": "slow",
+    "torchrun --nproc_per_node 2 tests/ddp_train.py runs/ddp 2": "slow",
+    "--config_file configs/accelerate_fsdp.yaml": "gpu",
+    "python hub_upload.py runs/my-model my-user/diff-tiny --dry-run": "slow",
+    'from_pretrained("my-user/diff-tiny", trust_remote_code=True)': SKIP + "downloads from the Hub (the same calls "
+    "on a local folder run in tests/test_hub_upload.py)",
+    "class Logits(torch.nn.Module):": "slow",
+    "diff-transformer convert path/to/llama out/diff-llama": "slow",
+    'convert_checkpoint("path/to/llama", "out/diff-llama")': "slow",
+    "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "slow",
+    "diff-transformer eval-needle out/my-model": "slow",
+    "diff-transformer attention-noise out/my-model": "slow",
+}
+# lines of a run block left out: an upload needs the network and a real token
+LEFT_OUT = ("HF_TOKEN=hf_... python hub_upload.py",)
+
+
+@dataclass
+class Block:
+    index: int
+    language: str
+    code: str
+    mode: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:02d}-{self.language}-{self.code.splitlines()[0][:40]}"
+
+
+def readme_blocks() -> list[Block]:
+    blocks = []
+    for index, match in enumerate(FENCE.finditer((ROOT / "README.md").read_text(encoding="utf-8"))):
+        language, code = match.groups()
+        modes = [mode for key, mode in BLOCKS.items() if key in code]
+        blocks.append(Block(index, language, code, modes[0] if len(modes) == 1 else f"unmapped ({len(modes)} keys)"))
+    return blocks
+
+
+def marks(mode: str) -> list:
+    if mode.startswith(SKIP):
+        return [pytest.mark.skip(reason=mode.removeprefix(SKIP))]
+    if mode == "gpu":
+        return [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    return [pytest.mark.slow] if mode in ("slow", "isolated") else []
+
+
+README_BLOCKS = readme_blocks()
+
+
+def corpus(path: Path) -> None:
+    """A small English-like text: filler sentences, needles and two speakers."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(1500):
+        speaker = rng.choice(["ROMEO:", "JULIET:"])
+        lines.append(f"{speaker} {rng.choice(FILLER)} {needle(rng.choice(CITIES), str(rng.randrange(1000, 9999)))}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def save_llama(path: Path, tokenizer, layers: int) -> None:
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def make_placeholders(folder: Path) -> None:
+    """What the README assumes the reader has, and the repository files its commands name."""
+    for name in ("tests", "configs", "hub_upload.py"):
+        (folder / name).symlink_to(ROOT / name)
+    corpus(folder / "my_corpus.txt")
+    torch.manual_seed(0)
+    tokenizer = train_bpe_tokenizer(files=[folder / "my_corpus.txt"], vocab_size=400)
+    save_llama(folder / "path" / "to" / "llama", tokenizer, layers=32)  # `--layers 1-31` needs 32
+    save_llama(folder / "out" / "llama-baseline", tokenizer, layers=2)
+    config = DiffConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=4096)
+    DiffForCausalLM(config).save_pretrained(folder / "out" / "my-model")
+    tokenizer.save_pretrained(folder / "out" / "my-model")
+
+
+def run_code(block: Block, folder: Path, namespace: dict) -> None:
+    if block.language == "python":
+        previous = os.getcwd()
+        os.chdir(folder)
+        try:
+            exec(compile(block.code, f"README block {block.name}", "exec"), namespace)
+        finally:
+            os.chdir(previous)
+        return
+    script = "\n".join(line for line in block.code.splitlines() if not line.startswith(LEFT_OUT))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, f"README block {block.name} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+
+
+class Walkthrough:
+    """The reader's folder and namespace; runs the blocks in order, each once."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.namespace, self.done = folder, {}, set()
+
+    def run_through(self, block: Block) -> None:
+        for earlier in README_BLOCKS[: block.index + 1]:
+            if earlier.index not in self.done and earlier.mode in ("fast", "slow"):
+                self.done.add(earlier.index)
+                run_code(earlier, self.folder, self.namespace)
+
+
+@pytest.fixture(scope="module")
+def walkthrough(tmp_path_factory) -> Walkthrough:
+    folder = tmp_path_factory.mktemp("reader")
+    make_placeholders(folder)
+    return Walkthrough(folder)
+
+
+def test_every_block_is_mapped():
+    unmapped = [b.name for b in README_BLOCKS if b.mode not in ("fast", "slow", "gpu", "isolated")
+                and not b.mode.startswith(SKIP)]
+    assert not unmapped, f"README blocks with no (or several) entries in BLOCKS: {unmapped}"
+    matches = {key: sum(key in b.code for b in README_BLOCKS) for key in BLOCKS}
+    assert all(n == 1 for n in matches.values()), f"each BLOCKS entry must match one README block: {matches}"
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=marks(b.mode), id=b.name)
+                                   for b in README_BLOCKS if b.mode != "isolated"])
+def test_readme_block_runs(walkthrough, block):
+    walkthrough.run_through(block)
+
+
+def repository_copy(folder: Path) -> Path:
+    """The repository's tracked files, as a fresh clone has them."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in listed.splitlines():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, folder / name)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in README_BLOCKS if b.mode == "isolated"], ids=lambda b: b.name)
+def test_readme_main_command_on_a_fresh_copy(tmp_path, block):
+    """The README's main job in a fresh venv (pip install from the package index), as it claims."""
+    clone = repository_copy(tmp_path / "clone")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(sys.executable).parent != Path(p))
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=clone, env=env, capture_output=True,
+                            text=True, timeout=3600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    accuracy = float(re.search(r"retrieval accuracy on held-out prompts: ([\d.]+)", output).group(1))
+    assert accuracy >= 0.95, f"held-out retrieval accuracy {accuracy} (README: >= 0.95)"
+    assert "generated: k3 v7 k9 v2 ? k9 v2" in result.stdout, result.stdout[-2000:]
