@@ -2,22 +2,19 @@
 training (torchrun, gloo on CPU) that matches one process with the same global batch."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import ddp_train
 import pytest
 import torch
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+from multiprocess import assert_same_losses, torchrun
 from reference import assert_close, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
 
 DDP_RTOL = 1e-5  # gradients all-reduced over 2 halves vs one batch: summation order only
-
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +53,9 @@ def test_init_empty_weights_then_dispatch(saved):
 
 def test_two_process_data_parallel_matches_single_process(tmp_path):
     single = ddp_train.train(str(tmp_path / "single"), per_device_batch=ddp_train.GLOBAL_BATCH)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-        str(Path(__file__).with_name("ddp_train.py")), str(tmp_path / "ddp"), str(ddp_train.GLOBAL_BATCH // 2),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ddp = {int(k): v for k, v in json.loads((tmp_path / "ddp" / "losses.json").read_text()).items()}
-    assert sorted(ddp) == sorted(single) == list(range(1, ddp_train.STEPS + 1))
-    a, e = torch.tensor([ddp[s] for s in sorted(ddp)]), torch.tensor([single[s] for s in sorted(single)])
-    diff = (a - e).abs()
-    assert torch.allclose(a, e, rtol=DDP_RTOL, atol=0), f"max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
-    assert e[-1] < e[0], "the loss curve should go down"
+    ddp = torchrun("ddp_train.py", 2, tmp_path / "ddp", str(ddp_train.GLOBAL_BATCH // 2))
+    assert ddp["engine"] == "DistributedDataParallel", ddp["engine"]
+    assert_same_losses(ddp["losses"], single["losses"], DDP_RTOL, "DDP on 2 processes vs 1 process")
 
 
 @pytest.mark.parametrize("name", ["accelerate_fsdp", "accelerate_deepspeed_zero3", "accelerate_cpu_ddp"])
@@ -79,6 +66,7 @@ def test_launch_configs_parse(name):
     config = load_config_from_file(str(root / f"{name}.yaml"))
     assert config.distributed_type in {"FSDP", "DEEPSPEED", "MULTI_CPU"}
     if name == "accelerate_fsdp":
+        assert config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DiffDecoderLayer"
     if name == "accelerate_deepspeed_zero3":
         deepspeed = json.loads((root / "deepspeed_zero3.json").read_text())
