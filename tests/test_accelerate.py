@@ -3,8 +3,6 @@ training (torchrun and the README's `accelerate launch` config, gloo on CPU) tha
 global batch."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import ddp_train
 import pytest
 import torch
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+from multiprocess import assert_same_losses, launch
 from reference import assert_close, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,7 +55,7 @@ def test_init_empty_weights_then_dispatch(saved):
 
 
 @pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory) -> dict[int, float]:
+def single_process(tmp_path_factory) -> dict:
     return ddp_train.train(str(tmp_path_factory.mktemp("single")), per_device_batch=ddp_train.GLOBAL_BATCH)
 
 
@@ -69,20 +68,11 @@ LAUNCHERS = {
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_process_data_parallel_matches_single_process(single_process_losses, tmp_path, launcher):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    command = [*LAUNCHERS[launcher], str(ROOT / "tests" / "ddp_train.py"), str(tmp_path), str(ddp_train.GLOBAL_BATCH // 2)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "losses.json").read_text())
-    assert report["processes"] == 2, f"{launcher} started {report['processes']} process(es), not 2"
-    ddp = {int(k): v for k, v in report["losses"].items()}
-    single = single_process_losses
-    assert sorted(ddp) == sorted(single) == list(range(1, ddp_train.STEPS + 1))
-    a, e = torch.tensor([ddp[s] for s in sorted(ddp)]), torch.tensor([single[s] for s in sorted(single)])
-    diff = (a - e).abs()
-    assert torch.allclose(a, e, rtol=DDP_RTOL, atol=0), f"max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
-    assert e[-1] < e[0], "the loss curve should go down"
+def test_two_process_data_parallel_matches_single_process(single_process, tmp_path, launcher):
+    ddp = launch(LAUNCHERS[launcher], "ddp_train.py", tmp_path, str(ddp_train.GLOBAL_BATCH // 2))
+    assert ddp["processes"] == 2, f"{launcher} started {ddp['processes']} process(es), not 2"
+    assert ddp["engine"] == "DistributedDataParallel", ddp["engine"]
+    assert_same_losses(ddp["losses"], single_process["losses"], DDP_RTOL, f"DDP on 2 processes ({launcher}) vs 1")
 
 
 @pytest.mark.parametrize("name", ["accelerate_fsdp", "accelerate_deepspeed_zero3", "accelerate_cpu_ddp"])
@@ -93,6 +83,7 @@ def test_launch_configs_parse(name):
     config = load_config_from_file(str(root / f"{name}.yaml"))
     assert config.distributed_type in {"FSDP", "DEEPSPEED", "MULTI_GPU"}
     if name == "accelerate_fsdp":
+        assert config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DiffDecoderLayer"
     if name == "accelerate_deepspeed_zero3":
         deepspeed = json.loads((root / "deepspeed_zero3.json").read_text())

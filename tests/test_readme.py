@@ -43,6 +43,11 @@ BLOCKS = {
     "with init_empty_weights():": "slow",
     "torchrun --nproc_per_node 2 tests/ddp_train.py runs/ddp 2": "slow",
     "--config_file configs/accelerate_fsdp.yaml": "gpu",
+    "torchrun --nproc_per_node 2 tests/fsdp_train.py runs/fsdp": "slow",
+    "fully_shard(layer)": SKIP + "runs inside each torchrun process; tests/fsdp_train.py is this code",
+    'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)': "slow",
+    "configs/deepspeed_zero3.json  # CPU, gloo, via Trainer": SKIP + "needs deepspeed; tests/test_sharded.py runs the "
+    "CPU line where it is installed",
     "python hub_upload.py runs/my-model my-user/diff-tiny --dry-run": "slow",
     'from_pretrained("my-user/diff-tiny", trust_remote_code=True)': SKIP + "downloads from the Hub (the same calls "
     "on a local folder run in tests/test_hub_upload.py)",
