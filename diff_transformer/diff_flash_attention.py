@@ -69,33 +69,6 @@ def triton_available() -> tuple[bool, str]:
                    "or use attn_implementation='sdpa'")
 
 
-def naive_diff_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,
-                         scaling: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
-    """Reference in plain torch: materialises both softmaxes (in at least fp32), same semantics as the kernel."""
-    out_dtype = q1.dtype
-    compute_dtype = torch.promote_types(out_dtype, torch.float32)
-    n_rep = q1.shape[1] // k1.shape[1]
-    q1, q2, k1, k2, v = (t.to(compute_dtype) for t in (q1, q2, k1, k2, v))
-    k1, k2, v = (t.repeat_interleave(n_rep, dim=1) for t in (k1, k2, v))
-    T, S = q1.shape[-2], k1.shape[-2]
-    if mask is not None:
-        allowed = mask.bool()
-    elif causal:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device).tril(S - T)
-    else:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device)
-    any_allowed = allowed.any(dim=-1, keepdim=True)
-
-    def probs(q: Tensor, k: Tensor) -> Tensor:
-        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
-        # Fully masked rows: softmax over zeros, then zeroed, so neither the output nor the grads are NaN.
-        scores = torch.where(any_allowed, scores, torch.zeros_like(scores))
-        return torch.softmax(scores, dim=-1) * any_allowed
-
-    out = probs(q1, k1) @ v - lam.to(compute_dtype) * (probs(q2, k2) @ v)
-    return out.to(out_dtype)
-
-
 if triton is not None:
     # The interpreter multiplies bf16 tiles as their raw uint16 bits (numpy has no bf16), so under it the dot
     # operands are widened to fp32 first; products of bf16 values are exact in fp32, so results match the GPU's.
