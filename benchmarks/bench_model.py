@@ -71,9 +71,9 @@ def synchronize(device: torch.device) -> None:
 
 
 class Worker:
-    """One model in its own process, driven over a pipe: CPU torch allocates straight from glibc, whose heap state
-    (trim and mmap thresholds, fragmentation) the models of one process would otherwise share and shape for each
-    other, as no user's training process does. The parent asks for one timing at a time, so workers never overlap."""
+    """One model in its own process, driven over a pipe, so that no model's allocations shape the heap another
+    model runs on, as in a user's training process (benchmarks/RESULTS.md). The parent asks for one timing at a
+    time, so workers never overlap."""
 
     def __init__(self, name: str):
         argv = [sys.executable, __file__, *sys.argv[1:], "--worker", name]

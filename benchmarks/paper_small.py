@@ -5,7 +5,7 @@ Tasks: a synthetic multi-needle retrieval task (needles "The magic number of <ci
 trained as language modelling) and, when the file exists, tiny Shakespeare. Reported as markdown, whatever it shows:
 validation loss, needle accuracy (greedy) and attention to answer / noise (paper Table 3) on retrieval prompts.
 
-    python benchmarks/paper_small.py --quick                   # ~15 min on 2 CPU cores
+    python benchmarks/paper_small.py --quick                   # 2 seeds, 250 steps (run time: RESULTS.md)
     python benchmarks/paper_small.py --steps 20 --seeds 0 ...  # smoke test
 """
 
@@ -153,7 +153,7 @@ def summarize(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"))
-    parser.add_argument("--quick", action="store_true", help=f"the ~15-minute configuration: {QUICK}")
+    parser.add_argument("--quick", action="store_true", help=f"the short configuration: {QUICK}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=16)

@@ -69,33 +69,6 @@ def triton_available() -> tuple[bool, str]:
                    "or use attn_implementation='sdpa'")
 
 
-def naive_diff_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,
-                         scaling: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
-    """Reference in plain torch: materialises both softmaxes (in at least fp32), same semantics as the kernel."""
-    out_dtype = q1.dtype
-    compute_dtype = torch.promote_types(out_dtype, torch.float32)
-    n_rep = q1.shape[1] // k1.shape[1]
-    q1, q2, k1, k2, v = (t.to(compute_dtype) for t in (q1, q2, k1, k2, v))
-    k1, k2, v = (t.repeat_interleave(n_rep, dim=1) for t in (k1, k2, v))
-    T, S = q1.shape[-2], k1.shape[-2]
-    if mask is not None:
-        allowed = mask.bool()
-    elif causal:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device).tril(S - T)
-    else:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q1.device)
-    any_allowed = allowed.any(dim=-1, keepdim=True)
-
-    def probs(q: Tensor, k: Tensor) -> Tensor:
-        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
-        # Fully masked rows: softmax over zeros, then zeroed, so neither the output nor the grads are NaN.
-        scores = torch.where(any_allowed, scores, torch.zeros_like(scores))
-        return torch.softmax(scores, dim=-1) * any_allowed
-
-    out = probs(q1, k1) @ v - lam.to(compute_dtype) * (probs(q2, k2) @ v)
-    return out.to(out_dtype)
-
-
 if triton is not None:
     # The interpreter multiplies bf16 tiles as their raw uint16 bits (numpy has no bf16), so under it the dot
     # operands are widened to fp32 first; products of bf16 values are exact in fp32, so results match the GPU's.
@@ -115,10 +88,45 @@ if triton is not None:
         return tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
 
     @triton.jit
+    def _load_pair(ptr1, ptr2, offs_rows, offs_cols, n_rows, stride_row, stride_col):
+        """The same [rows, cols] tile of both tensors of a branch pair (they share strides)."""
+        tile1 = _load_rows(ptr1, offs_rows, offs_cols, n_rows, stride_row, stride_col)
+        return tile1, _load_rows(ptr2, offs_rows, offs_cols, n_rows, stride_row, stride_col)
+
+    @triton.jit
     def _store_rows(ptr, value, offs_rows, offs_cols, n_rows, stride_row):
         """Store a [rows, cols] tile to a row-major buffer, casting to its dtype."""
         ptrs = ptr + offs_rows[:, None] * stride_row + offs_cols[None, :]
         tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=offs_rows[:, None] < n_rows)
+
+    @triton.jit
+    def _query_tile(Q1, Q2, stride_qb, stride_qh, stride_qt, stride_qd, H, T, N_REP,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's query tile: (bh, b, head, kv_head, start_m, offs_m, q1, q2)."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b, head = bh // H, bh % H
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_off = b * stride_qb + head * stride_qh
+        q1, q2 = _load_pair(Q1 + q_off, Q2 + q_off, offs_m, tl.arange(0, HEAD_DIM), T, stride_qt, stride_qd)
+        return bh, b, head, head // N_REP, start_m, offs_m, q1, q2
+
+    @triton.jit
+    def _key_tile(K1, K2, V, start_n, S, stride_ks, stride_kd, stride_vs, stride_vd,
+                  HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys start_n.. of one kv head (K1, K2, V point at its first key): (offs_n, k1, k2, v)."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k1, k2 = _load_pair(K1, K2, offs_n, tl.arange(0, HEAD_DIM), S, stride_ks, stride_kd)
+        return offs_n, k1, k2, _load_rows(V, offs_n, tl.arange(0, V_DIM), S, stride_vs, stride_vd)
+
+    @triton.jit
+    def _row_stats(Lse1, Lse2, Delta1, Delta2, row, offs_m, T):
+        """Both log2-sum-exps (+inf past T, so those rows' probabilities are 0) and both D_b of rows offs_m."""
+        in_range = offs_m < T
+        lse1 = tl.load(Lse1 + row + offs_m, mask=in_range, other=float("inf"))
+        lse2 = tl.load(Lse2 + row + offs_m, mask=in_range, other=float("inf"))
+        delta1 = tl.load(Delta1 + row + offs_m, mask=in_range, other=0.0)
+        return lse1, lse2, delta1, tl.load(Delta2 + row + offs_m, mask=in_range, other=0.0)
 
     @triton.jit
     def _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms,
@@ -166,9 +174,12 @@ if triton is not None:
         return p1, p2, ds1, ds2
 
     @triton.jit
-    def _causal_key_end(start_m, T, S, BLOCK_M: tl.constexpr):
+    def _key_end(start_m, T, S, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
         """One past the last key that query rows [start_m, start_m + BLOCK_M) may attend (bottom-right causal)."""
-        return tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+        key_end = S
+        if CAUSAL and not HAS_MASK:
+            key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+        return key_end
 
     @triton.jit
     def _diff_attn_fwd(
@@ -181,21 +192,11 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
-        start_m = tl.program_id(0) * BLOCK_M
-        bh = tl.program_id(1)
-        b, head = bh // H, bh % H
-        kv_head = head // N_REP
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_v = tl.arange(0, V_DIM)
-
-        q_off = b * stride_qb + head * stride_qh
-        q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
-        q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+        bh, b, head, kv_head, start_m, offs_m, q1, q2 = _query_tile(
+            Q1, Q2, stride_qb, stride_qh, stride_qt, stride_qd, H, T, N_REP, HEAD_DIM, BLOCK_M)
         k_off = b * stride_kb + kv_head * stride_kh
         v_ptr = V + b * stride_vb + kv_head * stride_vh
         mask_ptr = Mask + b * stride_mb + head * stride_mh
-        lam = tl.load(Lam)
 
         m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -203,23 +204,18 @@ if triton is not None:
         l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
-
-        key_end = S
-        if CAUSAL and not HAS_MASK:
-            key_end = _causal_key_end(start_m, T, S, BLOCK_M)
-        for start_n in range(0, key_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-            k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-            v = _load_rows(v_ptr, offs_n, offs_v, S, stride_vs, stride_vd)
+        for start_n in range(0, _key_end(start_m, T, S, BLOCK_M, CAUSAL, HAS_MASK), BLOCK_N):
+            offs_n, k1, k2, v = _key_tile(K1 + k_off, K2 + k_off, v_ptr, start_n, S, stride_ks, stride_kd,
+                                          stride_vs, stride_vd, HEAD_DIM, V_DIM, BLOCK_N)
             allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
             m1, l1, acc1 = _online_softmax_step(q1, k1, v, allowed, m1, l1, acc1, qk_scale)
             m2, l2, acc2 = _online_softmax_step(q2, k2, v, allowed, m2, l2, acc2, qk_scale)
 
         o1, lse1 = _normalize(m1, l1, acc1)
         o2, lse2 = _normalize(m2, l2, acc2)
+        offs_v = tl.arange(0, V_DIM)
         row = bh * T  # Out, O2, Lse1, Lse2 are contiguous [B, H, T(, V_DIM)]
-        _store_rows(Out + row * V_DIM, o1 - lam * o2, offs_m, offs_v, T, V_DIM)
+        _store_rows(Out + row * V_DIM, o1 - tl.load(Lam) * o2, offs_m, offs_v, T, V_DIM)
         _store_rows(O2 + row * V_DIM, o2, offs_m, offs_v, T, V_DIM)
         tl.store(Lse1 + row + offs_m, lse1, mask=offs_m < T)
         tl.store(Lse2 + row + offs_m, lse2, mask=offs_m < T)
@@ -237,44 +233,29 @@ if triton is not None:
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
         """dq1, dq2 for one query tile: stream the key tiles exactly as the forward does."""
-        start_m = tl.program_id(0) * BLOCK_M
-        bh = tl.program_id(1)
-        b, head = bh // H, bh % H
-        kv_head = head // N_REP
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_v = tl.arange(0, V_DIM)
-
-        q_off = b * stride_qb + head * stride_qh
-        q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
-        q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
-        do = _load_rows(DO + b * stride_dob + head * stride_doh, offs_m, offs_v, T, stride_dot, stride_dod)
+        bh, b, head, kv_head, start_m, offs_m, q1, q2 = _query_tile(
+            Q1, Q2, stride_qb, stride_qh, stride_qt, stride_qd, H, T, N_REP, HEAD_DIM, BLOCK_M)
+        do_ptr = DO + b * stride_dob + head * stride_doh
+        do = _load_rows(do_ptr, offs_m, tl.arange(0, V_DIM), T, stride_dot, stride_dod)
         row = bh * T
-        lse1 = tl.load(Lse1 + row + offs_m, mask=offs_m < T, other=float("inf"))
-        lse2 = tl.load(Lse2 + row + offs_m, mask=offs_m < T, other=float("inf"))
-        delta1 = tl.load(Delta1 + row + offs_m, mask=offs_m < T, other=0.0)
-        delta2 = tl.load(Delta2 + row + offs_m, mask=offs_m < T, other=0.0)
+        lse1, lse2, delta1, delta2 = _row_stats(Lse1, Lse2, Delta1, Delta2, row, offs_m, T)
+        dq1 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
         k_off = b * stride_kb + kv_head * stride_kh
         v_ptr = V + b * stride_vb + kv_head * stride_vh
         mask_ptr = Mask + b * stride_mb + head * stride_mh
         lam = tl.load(Lam)
-
-        dq1 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        key_end = S
-        if CAUSAL and not HAS_MASK:
-            key_end = _causal_key_end(start_m, T, S, BLOCK_M)
-        for start_n in range(0, key_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-            k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-            v = _load_rows(v_ptr, offs_n, offs_v, S, stride_vs, stride_vd)
+        for start_n in range(0, _key_end(start_m, T, S, BLOCK_M, CAUSAL, HAS_MASK), BLOCK_N):
+            offs_n, k1, k2, v = _key_tile(K1 + k_off, K2 + k_off, v_ptr, start_n, S, stride_ks, stride_kd,
+                                          stride_vs, stride_vd, HEAD_DIM, V_DIM, BLOCK_N)
             allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
             _, _, ds1, ds2 = _probs_and_score_grads(
                 q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)
             dq1 += _dot(ds1.to(k1.dtype), k1)
             dq2 += _dot(ds2.to(k2.dtype), k2)
 
+        offs_d = tl.arange(0, HEAD_DIM)
         _store_rows(DQ1 + row * HEAD_DIM, dq1 * scaling, offs_m, offs_d, T, HEAD_DIM)
         _store_rows(DQ2 + row * HEAD_DIM, dq2 * scaling, offs_m, offs_d, T, HEAD_DIM)
 
@@ -294,14 +275,11 @@ if triton is not None:
         start_n = tl.program_id(0) * BLOCK_N
         bh_kv = tl.program_id(1)
         b, kv_head = bh_kv // H_KV, bh_kv % H_KV
-        offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_v = tl.arange(0, V_DIM)
-
         k_off = b * stride_kb + kv_head * stride_kh
-        k1 = _load_rows(K1 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-        k2 = _load_rows(K2 + k_off, offs_n, offs_d, S, stride_ks, stride_kd)
-        v = _load_rows(V + b * stride_vb + kv_head * stride_vh, offs_n, offs_v, S, stride_vs, stride_vd)
+        offs_n, k1, k2, v = _key_tile(K1 + k_off, K2 + k_off, V + b * stride_vb + kv_head * stride_vh, start_n, S,
+                                      stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, V_DIM, BLOCK_N)
         lam = tl.load(Lam)
 
         dk1 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -318,13 +296,9 @@ if triton is not None:
             row = (b * H + head) * T
             for start_m in range(query_start, T, BLOCK_M):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
-                q1 = _load_rows(Q1 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
-                q2 = _load_rows(Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
+                q1, q2 = _load_pair(Q1 + q_off, Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
                 do = _load_rows(do_ptr, offs_m, offs_v, T, stride_dot, stride_dod)
-                lse1 = tl.load(Lse1 + row + offs_m, mask=offs_m < T, other=float("inf"))
-                lse2 = tl.load(Lse2 + row + offs_m, mask=offs_m < T, other=float("inf"))
-                delta1 = tl.load(Delta1 + row + offs_m, mask=offs_m < T, other=0.0)
-                delta2 = tl.load(Delta2 + row + offs_m, mask=offs_m < T, other=0.0)
+                lse1, lse2, delta1, delta2 = _row_stats(Lse1, Lse2, Delta1, Delta2, row, offs_m, T)
                 allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
                 p1, p2, ds1, ds2 = _probs_and_score_grads(
                     q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)

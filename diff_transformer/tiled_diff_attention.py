@@ -6,15 +6,16 @@ Both branches of a tile of query rows share one batched matmul, one softmax and 
     out  = (P_1 - lambda P_2) V                                [B, h_kv, n_rep, rows, dv]
 
 so the attention costs Llama's FLOPs (two d-wide score products and ONE 2d-wide value product per head) instead
-of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only: `modeling_diff.branch_calls`).
-Causal tiles skip the keys after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the
-forward's branch layout) and recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T)
-apart from one tile's maps. On CPU this is the fastest exact route (benchmarks/RESULTS.md); `eager_diff_attention`
-in modeling_diff.py is the same math as one tile.
+of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths only). Causal tiles skip the keys
+after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the forward's branch layout) and
+recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps.
 
-Layout (as every kernel in modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
-(k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv` without repeat_kv copies.
-A mask of None means causal with the queries as the last T of the S keys.
+Layout (the attention kernels' layout of docs/design.md): q [B, 2h, T, d] in halves order, keys packed
+[B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv`
+without repeat_kv copies. A mask of None means causal with the queries as the last T of the S keys.
+
+Why the kernel is written as it is (tile size, K^T, scratch buffers, one bmm per kv head), with the measurements:
+benchmarks/RESULTS.md, "Kernel design notes".
 """
 
 import functools
@@ -23,30 +24,26 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-TILE_ROWS = 128  # query rows per tile; fastest fwd+bwd at B2-T1024-H4-D64 on a 2-core AVX2 CPU (64, 96, 160 slower)
+TILE_ROWS = 128  # query rows per tile: the fastest size measured (benchmarks/RESULTS.md)
 
 
 def tiled_pays(q: torch.Tensor) -> bool:
-    """Whether the tiled kernel beats two torch sdpa calls on CPU: it needs causal tiles to skip (T > TILE_ROWS)
-    and d >= 32 (at d = 16 the padded query's wasted half costs little). fwd+bwd vs two calls, 2-core AVX-512 CPU
-    (kernel of 9f0a3b0): 0.57-0.73x at B1-T256, B4-T256, B2-T512, B2-T1024 with H4-D64; 0.70-0.91x at B4-T256,
-    B8-T256, B2-T512, B1-T1024 (H4) and B1-T2048 (H8) with D32; but 0.98-1.17x at B2-T512 and B1-T1024 with H4-D16
-    and 1.9x at B16-T128-H2-D16 (one tile). The older kernel on a 2-core AVX2 CPU: 0.48-0.76x at d = 64, 1.0x at
-    B1-T1024-H4-D16."""
+    """Whether the tiled kernel beats two torch sdpa calls on CPU (q [B, 2h, T, d]): it needs causal tiles to skip
+    (T > TILE_ROWS) and d >= 32 (at d = 16 the padded query's wasted half costs little); benchmarks/RESULTS.md."""
     return q.shape[2] > TILE_ROWS and q.shape[-1] >= 32
 
 
 def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, 2h, T, d] -> scaling * q as [2, B, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> K^T as
     [2, B, h_kv, d, S]. fp32, branch first and contiguous (one copy each), so each branch's maps are one contiguous
-    block, and a tile's score product reads K^T rows (reading K transposed instead: the score product about 1.3x
-    slower on an AVX2 CPU, the kernel 1.05-1.1x slower on an AVX-512 one; benchmarks/RESULTS.md)."""
+    block, and a tile's score product reads K^T rows (faster than reading K transposed: benchmarks/RESULTS.md)."""
     batch, _, length, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
-    q6 = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
-    kt5 = k.view(batch, h_kv, keys, 2, d).permute(3, 0, 1, 4, 2)  # [2, B, h_kv, d, S]
-    q6 = q6.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(scaling)  # copy: q is kept
-    return q6, kt5.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # copy: else fp32 stays permuted
+    q_branches = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
+    kt_branches = k.view(batch, h_kv, keys, 2, d).permute(3, 0, 1, 4, 2)  # [2, B, h_kv, d, S]
+    # copy=True: q is kept, and without a copy an fp32 k would keep its permuted layout
+    q_branches = q_branches.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(scaling)
+    return q_branches, kt_branches.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
@@ -70,9 +67,10 @@ def branch_scores(
     (causal: the last t keys are the rows' own). Masked scores get a finite fill, so fully masked rows give a
     uniform map instead of NaN."""
     _, batch, h_kv, n_rep, rows, d = q.shape
-    q3, kt3 = q.reshape(-1, n_rep * rows, d), kt.reshape(-1, d, kt.shape[-1])  # views of a tile's slices
-    out = prefix(buffer, q3.shape[0], n_rep * rows, kt3.shape[-1])
-    scores = torch.bmm(q3, kt3, out=out).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
+    q_flat = q.reshape(-1, n_rep * rows, d)  # [2 * B * h_kv, n_rep * t, d], a view of a tile's slice
+    kt_flat = kt.reshape(-1, d, kt.shape[-1])  # [2 * B * h_kv, d, e]
+    out = prefix(buffer, q_flat.shape[0], n_rep * rows, kt_flat.shape[-1])
+    scores = torch.bmm(q_flat, kt_flat, out=out).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
     fill = torch.finfo(scores.dtype).min
     if mask is None and rows > 1:
         scores[..., -rows:].add_(torch.full((rows, rows), fill, device=q.device).triu_(1))  # faster than masked_fill_
@@ -91,8 +89,8 @@ def branch_probs(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None) -
 def softmax_grads(d_map: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Softmax backward of both branches, which share dM = dO V^T [B, h_kv, n_rep, t, e] (branch 2's -lambda is
     applied by the caller): dS_b = P_b dM - P_b rowsum(P_b dM), as [2, B, h_kv, n_rep, t, e]. Through torch's fused
-    softmax-backward kernel (the one torch.softmax's autograd uses): one pass over each map instead of three.
-    Written to `out`, shaped as `probs`."""
+    softmax-backward kernel (the one torch.softmax's autograd uses), one pass over each map. Written to `out`,
+    shaped as `probs`."""
     for branch in range(2):
         torch.ops.aten._softmax_backward_data.out(d_map, probs[branch], -1, torch.float32, grad_input=out[branch])
     return out
@@ -127,16 +125,15 @@ def differential_map(probs: torch.Tensor, lam: torch.Tensor, out: torch.Tensor |
     return torch.addcmul(probs[0], probs[1], lam, value=-1, out=out)
 
 
-def map_buffer(q6: torch.Tensor, keys: int, rows: int, maps: int) -> torch.Tensor:
-    """Flat scratch for `maps` maps [B, h_kv, n_rep, rows, keys] that every tile of a call reuses. A fresh
-    multi-MiB tensor per tile is written cache-cold (and each 4 KiB page faults on first touch where the allocator
-    gave the memory back to the system): the last forward tile's score product took 1.6 ms instead of 1.1 at
-    B2-T1024-H4-D64, and the kernel's fwd+bwd is 0.94x the time at B1-T2048-H4-D64, 0.88x at B1-T4096. glibc
-    serves blocks over 32 MiB from fresh pages every time (its mmap threshold's ceiling), so buffers stay small."""
-    return q6.new_empty(maps * math.prod(q6.shape[1:4]) * min(rows, q6.shape[-2]) * keys)  # [B, h_kv, n_rep] maps
+def map_buffer(q_branches: torch.Tensor, keys: int, rows: int, maps: int) -> torch.Tensor:
+    """Flat scratch for `maps` maps [B, h_kv, n_rep, rows, keys] that every tile of a call reuses: a fresh tensor
+    per tile is written cache-cold, and a large one comes from fresh pages every time (benchmarks/RESULTS.md)."""
+    batch_heads, length = math.prod(q_branches.shape[1:4]), q_branches.shape[-2]  # B * h_kv * n_rep, T
+    return q_branches.new_empty(maps * batch_heads * min(rows, length) * keys)
 
 
-def tile_probs(q, kt, mask, start: int, stop: int, keys: int, buffer: torch.Tensor) -> torch.Tensor:
+def tile_probs(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, keys: int,
+               buffer: torch.Tensor) -> torch.Tensor:
     """Both maps of query rows start..stop against the first `keys` keys: [2, B, h_kv, n_rep, t, keys], at the
     start of `buffer` (two maps of `map_buffer`). Outside autograd only: the softmax overwrites the scores."""
     tile_mask = None if mask is None else mask[..., start:stop, :keys]
@@ -144,34 +141,35 @@ def tile_probs(q, kt, mask, start: int, stop: int, keys: int, buffer: torch.Tens
     return torch.softmax(scores, dim=-1, out=scores)
 
 
-def tiled_forward(q, k, v, lam, mask, scaling: float, rows: int) -> torch.Tensor:
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor | None,
+                  scaling: float, rows: int) -> torch.Tensor:
     """[B, T, h_kv, n_rep, dv]: the differential attention output, tile by tile."""
     return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(mask, k.shape[1]), rows)
 
 
-def forward_tiles(q6, kt5, v, lam, mask6, rows: int) -> torch.Tensor:
+def forward_tiles(q_branches: torch.Tensor, kt_branches: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+                  map_mask: torch.Tensor | None, rows: int) -> torch.Tensor:
     """`tiled_forward` on the branch views (`branch_views`, `branch_mask`). Each tile's product is written into the
     output, laid out [B, T, h_kv, n_rep, dv] as SubLN and o_proj read it (no concatenation, no transpose)."""
-    _, batch, h_kv, n_rep, length, _ = q6.shape
-    v3 = v.contiguous().view(batch * h_kv, -1, v.shape[-1])  # [B * h_kv, S, dv]
+    _, batch, h_kv, n_rep, length, _ = q_branches.shape
+    v_flat = v.contiguous().view(batch * h_kv, -1, v.shape[-1])  # [B * h_kv, S, dv]
     out = v.new_empty(batch, length, h_kv, n_rep, v.shape[-1])
     if length <= rows:  # one tile, e.g. every decode step: no slicing (decode is bound by per-op overhead)
-        write_product(out, 0, differential_map(branch_probs(q6, kt5, mask6), lam), v3)
+        write_product(out, 0, differential_map(branch_probs(q_branches, kt_branches, map_mask), lam), v_flat)
         return out
-    buffer = map_buffer(q6, kt5.shape[-1], rows, 2)
-    for start, stop, keys in tiles(length, kt5.shape[-1], rows):
-        probs = tile_probs(q6, kt5, mask6, start, stop, keys, buffer)
-        write_product(out, start, differential_map(probs, lam, out=probs[0]), v3)
+    buffer = map_buffer(q_branches, kt_branches.shape[-1], rows, 2)
+    for start, stop, keys in tiles(length, kt_branches.shape[-1], rows):
+        probs = tile_probs(q_branches, kt_branches, map_mask, start, stop, keys, buffer)
+        write_product(out, start, differential_map(probs, lam, out=probs[0]), v_flat)
     return out
 
 
-def write_product(out: torch.Tensor, start: int, diff_map: torch.Tensor, v3: torch.Tensor) -> None:
-    """out[:, start:start + t] = M V for a tile's map M [B, h_kv, n_rep, t, e]: one bmm per kv head with the GQA
-    groups folded into the rows, then one copy into out's [B, T, h_kv, n_rep, dv] layout. torch.matmul would copy
-    V n_rep times per tile, and writing through `out=` a strided view took longer (kernel fwd+bwd 0.955-0.978x the
-    time at B2-T1024-H4-D64, 0.89-0.94x with h_kv = 2 at B1-T1024-H8-D64)."""
+def write_product(out: torch.Tensor, start: int, diff_map: torch.Tensor, v_flat: torch.Tensor) -> None:
+    """out[:, start:start + t] = M V for a tile's map M [B, h_kv, n_rep, t, e] and v_flat [B * h_kv, S, dv]: one
+    bmm per kv head with the GQA groups folded into the rows, then one copy into out's [B, T, h_kv, n_rep, dv]
+    layout (torch.matmul would copy V n_rep times per tile; benchmarks/RESULTS.md)."""
     batch, h_kv, n_rep, length, keys = diff_map.shape
-    product = torch.bmm(diff_map.view(batch * h_kv, n_rep * length, keys), v3[:, :keys])  # [B * h_kv, n_rep * t, dv]
+    product = torch.bmm(diff_map.view(batch * h_kv, n_rep * length, keys), v_flat[:, :keys])  # [B h_kv, n_rep t, dv]
     out[:, start : start + length].permute(0, 2, 3, 1, 4).copy_(product.view(batch, h_kv, n_rep, length, -1))
 
 
@@ -182,48 +180,48 @@ class TiledDiffAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lam, mask, scaling: float, rows: int):
-        q6, kt5 = branch_views(q, k, scaling)
+        q_branches, kt_branches = branch_views(q, k, scaling)
         v = v.contiguous()  # per-tile slices fold into one bmm batch; copied once for forward and backward
-        ctx.save_for_backward(q6, kt5, k, v, lam, mask)  # the views, so that backward does not copy q and k again
+        ctx.save_for_backward(q_branches, kt_branches, k, v, lam, mask)  # so that backward does not copy q, k again
         ctx.scaling, ctx.rows, ctx.q_shape = scaling, rows, q.shape
-        return forward_tiles(q6, kt5, v, lam, branch_mask(mask, k.shape[1]), rows)
+        return forward_tiles(q_branches, kt_branches, v, lam, branch_mask(mask, k.shape[1]), rows)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q6, kt5, k, v, lam, mask = ctx.saved_tensors
+        q_branches, kt_branches, k, v, lam, mask = ctx.saved_tensors
         grad_out = grad_out.float().permute(0, 2, 3, 1, 4).contiguous()  # [B, h_kv, n_rep, T, dv]: tiles fold into bmm
-        _, batch, h_kv, n_rep, length, d = q6.shape
+        _, batch, h_kv, n_rep, length, d = q_branches.shape
         num_keys, dv = k.shape[2], v.shape[-1]
         sign = torch.stack([torch.ones_like(lam), -lam]).view(2, 1, 1, 1, 1)  # branch 2 enters as -lambda P_2
-        k5 = torch.mul(k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4), sign * ctx.scaling,
-                       out=k.new_empty(2, batch, h_kv, num_keys, d))  # [2, B, h_kv, S, d]: dq = dS K, signed, scaled
-        mask6 = branch_mask(mask, h_kv)
-        dk3 = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
-        dv3 = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
-        v3 = v.view(batch * h_kv, num_keys, dv)
+        k_signed = torch.mul(k.view(batch, h_kv, -1, 2, d).permute(3, 0, 1, 2, 4), sign * ctx.scaling,
+                             out=k.new_empty(2, batch, h_kv, num_keys, d))  # [2, B, h_kv, S, d]: dq = dS K, scaled
+        map_mask = branch_mask(mask, h_kv)
+        dk_flat = k.new_empty(2 * batch * h_kv, num_keys, d)  # [2 * B * h_kv, S, d]
+        dv_flat = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
+        v_flat = v.view(batch * h_kv, num_keys, dv)
         dlam, dqs = torch.zeros_like(lam), []
-        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers, as one of five maps passes glibc's ceiling sooner
-        p_buffer, m_buffer, ds_buffer = (map_buffer(q6, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
+        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers rather than one of five maps (benchmarks/RESULTS.md)
+        p_buffer, m_buffer, ds_buffer = (map_buffer(q_branches, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
         for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
-            probs = tile_probs(q6, kt5, mask6, start, stop, keys, p_buffer)
+            probs = tile_probs(q_branches, kt_branches, map_mask, start, stop, keys, p_buffer)
             diff_map = differential_map(probs, lam, out=prefix(m_buffer, *probs.shape[1:]))
             grad = grad_out[..., start:stop, :].reshape(-1, rows, dv)  # [B * h_kv, n_rep * t, dv]
-            add_bmm(dv3, diff_map.view(-1, rows, keys).transpose(1, 2), grad)
-            d_map = torch.bmm(grad, v3[:, :keys].transpose(1, 2), out=diff_map.view(-1, rows, keys)).view(
+            add_bmm(dv_flat, diff_map.view(-1, rows, keys).transpose(1, 2), grad)
+            d_map = torch.bmm(grad, v_flat[:, :keys].transpose(1, 2), out=diff_map.view(-1, rows, keys)).view(
                 probs.shape[1:])  # dM = dO V^T [B, h_kv, n_rep, t, e], GQA folded into rows (no V copy per n_rep)
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
             d_scores = softmax_grads(d_map, probs, out=prefix(ds_buffer, *probs.shape))
-            if mask6 is not None and mask6.dtype == torch.bool:  # a fully masked row's uniform map has no gradient
-                d_scores.masked_fill_(~mask6[..., start:stop, :keys], 0)
+            if map_mask is not None and map_mask.dtype == torch.bool:  # a fully masked row's uniform map: no gradient
+                d_scores.masked_fill_(~map_mask[..., start:stop, :keys], 0)
             d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]
-            dq = torch.bmm(d_scores, k5[..., :keys, :].reshape(-1, keys, d))  # [2 * B * h_kv, n_rep * t, d]
+            dq = torch.bmm(d_scores, k_signed[..., :keys, :].reshape(-1, keys, d))  # [2 * B * h_kv, n_rep * t, d]
             dqs.append(dq.view(2, batch, h_kv, n_rep, -1, d).transpose(0, 1))  # [B, 2, h_kv, n_rep, t, d]
-            add_bmm(dk3, d_scores.transpose(1, 2), q6[..., start:stop, :].reshape(-1, rows, d))
+            add_bmm(dk_flat, d_scores.transpose(1, 2), q_branches[..., start:stop, :].reshape(-1, rows, d))
         dq = torch.cat(dqs[::-1], dim=-2).view(ctx.q_shape)  # [B, 2, h_kv, n_rep, T, d] -> [B, 2h, T, d]
-        dk = torch.mul(dk3.view(2, batch, h_kv, -1, d).permute(1, 2, 3, 0, 4), sign.view(2, 1),
+        dk = torch.mul(dk_flat.view(2, batch, h_kv, -1, d).permute(1, 2, 3, 0, 4), sign.view(2, 1),
                        out=k.new_empty(batch, h_kv, num_keys, 2, d))  # [B, h_kv, S, branch, d]
-        return dq, dk.view(k.shape), dv3.view(v.shape), dlam, None, None, None
+        return dq, dk.view(k.shape), dv_flat.view(v.shape), dlam, None, None, None
 
 
 def add_bmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -243,7 +241,7 @@ def tiled_diff_attention(
 ) -> torch.Tensor:
     """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring)."""
     length = q.shape[2]
-    if mask is None and length > 1:  # sdpa's skipped mask is top-left causal: a static cache's empty slots go
+    if mask is None and length > 1:  # sdpa's skipped mask is top-left causal: a static cache's empty slots are dropped
         k, v = k[:, :, :length], v[:, :, :length]
     q, k, v = q.float(), k.float(), v.float()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)):

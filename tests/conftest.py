@@ -6,8 +6,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-# Tiny test models run fastest on one thread; more threads oversubscribe the 2-core CI machine (and the
-# 2-process data-parallel test), which slows OpenMP down by an order of magnitude.
+# Tiny test models run fastest on one thread; more threads oversubscribe the CI machine's few cores (and the
+# 2-process data-parallel test), which slows OpenMP down.
 torch.set_num_threads(1)
 
 if not torch.cuda.is_available():

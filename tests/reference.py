@@ -1,16 +1,78 @@
-"""Independent fp64 reference of differential attention, written from docs/design.md §1 (arXiv 2410.05258), per head.
+"""Independent fp64 reference of differential attention, written from docs/design.md (arXiv 2410.05258), per head,
+and what every test compares with: `assert_close` and its tolerance table, tiny configs and models, padding.
 
-It reads raw weight matrices only (no model code), so it checks the row layout of docs/design.md §2 as well.
+The reference reads raw weight matrices only (no model code), so it checks the weight row layout of
+docs/design.md as well.
 """
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
+import pytest
 import torch
+from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig
+from diff_transformer.modeling_diff import CACHE_KWARG
 
-# (atol, rtol) per dtype for comparisons against the fp64 reference.
-TOLERANCES = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float64: (1e-10, 1e-9)}
+
+class Tolerance(NamedTuple):
+    atol: float
+    rtol: float
+    peak_scaled: bool = False  # both bounds times max(1, max |expected|): for a whole model's logits and gradients
+
+
+# |actual - expected| <= atol + rtol * |expected| per element, by what is compared and the dtype of the inputs.
+TOLERANCES = {
+    # a model or attention layer vs the fp64 reference of this file
+    "model": {
+        torch.float32: Tolerance(2e-5, 2e-4),
+        torch.bfloat16: Tolerance(3e-2, 3e-2),
+        torch.float64: Tolerance(1e-10, 1e-9),
+    },
+    # a backend vs `eager` on the same whole model
+    "backend": {torch.float32: Tolerance(2e-5, 2e-4, True), torch.bfloat16: Tolerance(4e-2, 4e-2, True)},
+    # kernels that compute in fp32 whatever the input dtype (tiled, eager) vs the naive reference on the same
+    # inputs; with bf16 inputs, autograd rounds the input gradients to bf16
+    "tiled": {torch.float32: Tolerance(2e-5, 2e-5), torch.bfloat16: Tolerance(1e-3, 1e-2)},
+    # torch's sdpa (and flex) computes in the input dtype, so bf16 outputs carry bf16 rounding
+    "sdpa": {torch.float32: Tolerance(2e-5, 2e-5), torch.bfloat16: Tolerance(2e-2, 2e-2)},
+    # the Triton kernel: fp32 softmax and accumulators, matmul inputs in the input dtype
+    "diff_flash": {
+        torch.float32: Tolerance(1e-5, 1e-5),
+        torch.float16: Tolerance(5e-3, 5e-3),
+        torch.bfloat16: Tolerance(6e-2, 3e-2),
+    },
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                 kind: str = "model") -> None:
+    """`actual` within TOLERANCES[kind][dtype] of `expected` (same shape, finite); the message gives the max and
+    mean absolute difference."""
+    atol, rtol, peak_scaled = TOLERANCES[kind][dtype]
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    actual, expected = actual.double(), expected.double()
+    diff = (actual - expected).abs()
+    scale = max(expected.abs().max().item(), 1.0) if peak_scaled else 1.0
+    ok = diff <= (atol + rtol * expected.abs()) * scale
+    assert ok.all(), (f"{what} ({dtype}): max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}, "
+                      f"{(~ok).sum().item()} of {ok.numel()} outside atol={atol}, rtol={rtol}")
+
+
+def assert_grads_close(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: torch.dtype,
+                       what: str) -> None:
+    """Weight gradients of one layer, whose scales differ by orders of magnitude: each tensor's largest difference
+    within TOLERANCES["model"]'s atol times the largest expected gradient of them all, plus rtol times its own."""
+    atol, rtol, _ = TOLERANCES["model"][dtype]
+    scale = max(grad.abs().max().item() for grad in expected.values())
+    for name, grad in grads.items():
+        diff = (grad.double() - expected[name]).abs()
+        assert diff.max() <= atol * scale + rtol * expected[name].abs().max(), (
+            f"{what} d{name}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
+        )
 
 
 def tiny_config(**overrides) -> DiffConfig:
@@ -37,14 +99,6 @@ def build_stack(backend: str, stack: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = tiny_config(**STACKS[stack], **overrides)
     return DiffForCausalLM._from_config(config, attn_implementation=backend).eval()
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    atol, rtol = TOLERANCES[dtype]
-    actual, expected = actual.double(), expected.double()
-    diff = (actual - expected).abs()
-    ok = bool((diff <= atol + rtol * expected.abs()).all())
-    assert ok, f"{what}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e} (atol={atol}, rtol={rtol})"
 
 
 def paper_lambda_init(layer_idx: int) -> float:
@@ -104,11 +158,81 @@ def reference_diff_attention(x, weights: dict, config: DiffConfig, layer_idx: in
     return torch.stack(outputs)
 
 
-def attention_weights(attn) -> dict:
-    """The raw parameters of a DiffAttention module, as leaf fp64 tensors that require grad."""
-    named = {
+def attention_params(attn) -> dict[str, torch.nn.Parameter]:
+    """The raw parameters of a DiffAttention module, by the names `reference_diff_attention` reads."""
+    return {
         "q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
         "lq1": attn.lambda_params.q1, "lk1": attn.lambda_params.k1,
         "lq2": attn.lambda_params.q2, "lk2": attn.lambda_params.k2, "subln": attn.subln.weight,
     }
-    return {k: v.detach().double().requires_grad_() for k, v in named.items()}
+
+
+def fp64_leaves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached float64 copies that require grad."""
+    return {name: t.detach().double().requires_grad_() for name, t in tensors.items()}
+
+
+def attention_weights(attn) -> dict[str, torch.Tensor]:
+    """`attention_params` as leaf fp64 tensors that require grad."""
+    return fp64_leaves(attention_params(attn))
+
+
+def run_attention(attn, model, x: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """The output of attention layer `attn` of DiffModel `model` for hidden states x [B, T, hidden], under the causal
+    mask the model builds for the 2-D attention mask `key_valid` (None: no padding)."""
+    position_ids = torch.arange(x.shape[1])[None]
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=x, attention_mask=key_valid, position_ids=position_ids, **{CACHE_KWARG: None}
+    )
+    return attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)[0]
+
+
+def assert_layer_matches_reference(attn, model, x: torch.Tensor, key_valid: torch.Tensor | None,
+                                   params: dict[str, torch.Tensor], reference: Callable, dtype: torch.dtype,
+                                   what: str) -> None:
+    """Output, input gradient and weight gradients of attention layer `attn` (`run_attention`) vs
+    `reference(x, weights, key_valid)` on float64 copies of x and of the layer's weights `params` (by the names the
+    reference reads). Queries at pad positions see no valid key: their output is unspecified and gets no gradient."""
+    out = run_attention(attn, model, x, key_valid)
+    rows = torch.ones(out.shape[:2], dtype=torch.bool) if key_valid is None else key_valid.bool()
+    grad_out = torch.randn_like(out) * rows[..., None]
+    out.backward(grad_out)
+    weights, x_ref = fp64_leaves(params), x.detach().double().requires_grad_()
+    ref = reference(x_ref, weights, key_valid)
+    ref.backward(grad_out.double())
+    assert_close(out[rows], ref[rows], dtype, f"{what} output")
+    assert_close(x.grad, x_ref.grad, dtype, f"{what} d input")
+    assert_grads_close({name: p.grad for name, p in params.items()}, {name: w.grad for name, w in weights.items()},
+                       dtype, what)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADS = {  # with hidden 64: d = 16
+    "MHA": dict(num_attention_heads=2, num_key_value_heads=2),
+    "GQA": dict(num_attention_heads=2, num_key_value_heads=1),
+}
+PADDED = pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+# (dtype, heads, padded) over DTYPES x HEADS x padding, with ids like bf16-GQA-leftpad
+DTYPE_HEADS_PADDING = pytest.mark.parametrize("dtype, heads, padded", [
+    pytest.param(dtype, heads, padded, id=f"{name}-{heads}-{'leftpad' if padded else 'nopad'}")
+    for name, dtype in DTYPES.items() for heads in HEADS for padded in (False, True)
+])
+
+
+def attention_mask(padded: bool, batch: int = 2, length: int = 12, device: str = "cpu") -> torch.Tensor:
+    """A 2-D transformers attention mask [batch, length] of ones; with `padded`, row 1 left-padded by 4 tokens."""
+    mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    if padded:
+        mask[1, :4] = 0
+    return mask
+
+
+def left_padded(prompts: list[torch.Tensor], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch (pad id 0) and its attention mask."""
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(batch)
+    for i, p in enumerate(prompts):
+        batch[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return batch, mask

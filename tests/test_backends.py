@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from reference import tiny_config
+from reference import DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, left_padded, tiny_config
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
@@ -21,15 +21,6 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
 HAS_TRITON = triton_available()[0]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-# (atol, rtol) of a backend vs eager on the same model and dtype, relative to the largest |expected| of the tensor.
-BACKEND_TOLERANCES = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (4e-2, 4e-2)}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# head_dim 16 (hidden 64, 2 heads) is the smallest head the fused kernel accepts.
-HEADS = {
-    "MHA": dict(num_attention_heads=2, num_key_value_heads=2),
-    "GQA": dict(num_attention_heads=2, num_key_value_heads=1),
-}
 
 needs_flash = pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs CUDA and the flash-attn package")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=triton_available()[1])
@@ -51,7 +42,7 @@ DECODE_BACKENDS = [
 
 def build(backend: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> DiffForCausalLM:
     torch.manual_seed(seed)
-    fields = dict(hidden_size=64, num_hidden_layers=1, **HEADS["GQA"])
+    fields = dict(hidden_size=64, num_hidden_layers=1, **HEADS["GQA"])  # d = 16: the fused kernel's smallest head
     fields.update(overrides)
     model = DiffForCausalLM._from_config(tiny_config(**fields), attn_implementation=backend)
     with torch.no_grad():  # norm gains start at 1; perturb them so a skipped one shows
@@ -61,23 +52,9 @@ def build(backend: str, dtype: torch.dtype = torch.float32, seed: int = 0, **ove
     return model.to(DEVICE, dtype).eval()
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    atol, rtol = BACKEND_TOLERANCES[dtype]
-    actual, expected = actual.double(), expected.double()
-    diff = (actual - expected).abs()
-    bound = (atol + rtol * expected.abs()) * max(expected.abs().max().item(), 1.0)
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    assert bool((diff <= bound).all()), (
-        f"{what}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e} (atol={atol}, rtol={rtol})"
-    )
-
-
 def batch_and_mask(padded: bool, batch: int = 2, length: int = 12):
     tokens = torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    mask = torch.ones_like(tokens)
-    if padded:
-        mask[1, :4] = 0
-    return tokens, mask
+    return tokens, attention_mask(padded, batch, length, DEVICE)
 
 
 def loss_and_grads(model: DiffForCausalLM, tokens, mask):
@@ -88,37 +65,24 @@ def loss_and_grads(model: DiffForCausalLM, tokens, mask):
     return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def left_padded(prompts: list[torch.Tensor]):
-    width = max(len(p) for p in prompts)
-    batch = torch.zeros(len(prompts), width, dtype=torch.long, device=DEVICE)
-    mask = torch.zeros_like(batch)
-    for i, p in enumerate(prompts):
-        batch[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
-    return batch, mask
-
-
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@DTYPE_HEADS_PADDING
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 def test_loss_and_all_gradients_match_eager(backend, dtype, heads, padded):
     """B2-T12-H2-D16, 1 layer: logits (valid rows), loss and the gradient of every parameter vs eager."""
-    dtype = DTYPES[dtype]
     tokens, mask = batch_and_mask(padded)
     results = {}
     for name in ("eager", backend):
         results[name] = loss_and_grads(build(name, dtype, **HEADS[heads]).train(), tokens, mask)
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results[backend], results["eager"]
     rows = mask.bool()
-    assert_close(logits[rows], ref_logits[rows], dtype, f"{backend} logits")
-    assert_close(loss, ref_loss, dtype, f"{backend} loss")
+    assert_close(logits[rows], ref_logits[rows], dtype, f"{backend} logits", "backend")
+    assert_close(loss, ref_loss, dtype, f"{backend} loss", "backend")
     for name, grad in ref_grads.items():
-        assert_close(grads[name], grad, dtype, f"{backend} d{name}")
+        assert_close(grads[name], grad, dtype, f"{backend} d{name}", "backend")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the tiled route is sdpa's on CPU")
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@PADDED
 @pytest.mark.parametrize("heads", list(HEADS))
 def test_sdpa_tiled_cpu_route_matches_eager(monkeypatch, heads, padded):
     """B2-T160-H2-D64, 1 layer: long enough for sdpa's CPU route to take the tiled kernel (two tiles); loss,
@@ -132,24 +96,21 @@ def test_sdpa_tiled_cpu_route_matches_eager(monkeypatch, heads, padded):
     assert calls, "sdpa did not take the tiled route"
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["sdpa"], results["eager"]
     rows = mask.bool()
-    assert_close(logits[rows], ref_logits[rows], torch.float32, "tiled sdpa logits")
-    assert_close(loss, ref_loss, torch.float32, "tiled sdpa loss")
+    assert_close(logits[rows], ref_logits[rows], torch.float32, "tiled sdpa logits", "backend")
+    assert_close(loss, ref_loss, torch.float32, "tiled sdpa loss", "backend")
     for name, grad in ref_grads.items():
-        assert_close(grads[name], grad, torch.float32, f"tiled sdpa d{name}")
+        assert_close(grads[name], grad, torch.float32, f"tiled sdpa d{name}", "backend")
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@DTYPE_HEADS_PADDING
 def test_flex_prefill_forward_matches_eager(dtype, heads, padded):
     """B2-T12-H2-D16: flex_attention forward logits vs eager (the part of flex that runs on CPU)."""
-    dtype = DTYPES[dtype]
     tokens, mask = batch_and_mask(padded)
     with torch.no_grad():
         logits = build("flex_attention", dtype, **HEADS[heads])(tokens, attention_mask=mask).logits
         ref = build("eager", dtype, **HEADS[heads])(tokens, attention_mask=mask).logits
     rows = mask.bool()
-    assert_close(logits[rows], ref[rows], dtype, "flex_attention logits")
+    assert_close(logits[rows], ref[rows], dtype, "flex_attention logits", "backend")
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
@@ -164,7 +125,7 @@ def test_cached_decode_matches_eager(backend, heads):
                                        return_dict_in_generate=True)
     assert torch.equal(outputs[backend].sequences, outputs["eager"].sequences), f"{backend} greedy tokens differ"
     for step, (got, ref) in enumerate(zip(outputs[backend].logits, outputs["eager"].logits)):
-        assert_close(got, ref, torch.float32, f"{backend} step {step} logits")
+        assert_close(got, ref, torch.float32, f"{backend} step {step} logits", "backend")
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -173,7 +134,7 @@ def test_left_padded_batch_generation_equals_one_by_one(backend):
     model = build(backend)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 97, (n,), generator=gen).to(DEVICE) for n in (7, 3, 5)]
-    batch, mask = left_padded(prompts)
+    batch, mask = left_padded(prompts, DEVICE)
     together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -181,7 +142,7 @@ def test_left_padded_batch_generation_equals_one_by_one(backend):
 
 
 @pytest.mark.parametrize("backend", [pytest.param("sdpa"), pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton)])
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@PADDED
 def test_static_cache_prefill_and_decode_match_eager(backend, padded):
     """A static cache hands prefill S = max_cache_len > T keys (unfilled slots) with a skipped (None) sdpa mask:
     the fused kernel must use top-left causality there. Prefill and two decode steps vs eager."""
@@ -203,7 +164,7 @@ def test_static_cache_prefill_and_decode_match_eager(backend, padded):
         step_logits[name] = logits
         mask = mask[:, : tokens.shape[1]]
     for step, (got, ref) in enumerate(zip(step_logits[backend], step_logits["eager"])):
-        assert_close(got, ref, torch.float32, f"{backend} static cache step {step}")
+        assert_close(got, ref, torch.float32, f"{backend} static cache step {step}", "backend")
 
 
 @needs_triton
@@ -260,7 +221,7 @@ def test_fused_from_pretrained_and_set_attn_implementation(tmp_path):
     assert model.config._attn_implementation == FUSED_IMPLEMENTATION
     with torch.no_grad():
         for m in (loaded.eval(), model):
-            assert_close(m(tokens).logits, ref, torch.float32, "diff_flash logits after load / set")
+            assert_close(m(tokens).logits, ref, torch.float32, "diff_flash logits after load / set", "backend")
 
 
 def test_fused_unavailable_raises_clear_error(monkeypatch):

@@ -9,9 +9,13 @@ import textwrap
 import pytest
 import torch
 from reference import (
-    TOLERANCES,
+    PADDED,
     assert_close,
+    assert_layer_matches_reference,
+    attention_mask,
+    attention_params,
     attention_weights,
+    left_padded,
     paper_lambda_init,
     reference_diff_attention,
     reference_head_maps,
@@ -19,17 +23,9 @@ from reference import (
     tiny_config,
 )
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import (
-    BRANCH_MAPS,
-    CACHE_KWARG,
-    DiffAttention,
-    compute_lambda,
-    eager_diff_attention,
-    frozen_lambdas,
-)
+from diff_transformer.modeling_diff import BRANCH_MAPS, compute_lambda, eager_diff_attention, frozen_lambdas
 from diff_transformer.tiled_diff_attention import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
@@ -53,19 +49,10 @@ def randomize_gains(model: torch.nn.Module) -> None:
                 param.add_(0.2 * torch.randn_like(param))
 
 
-def run_attention(attn: DiffAttention, model: DiffModel, x: torch.Tensor, key_valid=None):
-    position_ids = torch.arange(x.shape[1])[None]
-    mask = create_causal_mask(
-        config=model.config, inputs_embeds=x, attention_mask=key_valid, position_ids=position_ids, **{CACHE_KWARG: None}
-    )
-    out, _ = attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)
-    return out
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
+@PADDED
 def test_attention_matches_reference(backend, heads, dtype, padded):
     """B2-T12-H4-D8: output and gradients (input, every weight, lambda vectors, SubLN gain) vs fp64 reference."""
     model = build_model(backend, dtype, **HEADS[heads], hidden_size=64).model
@@ -73,32 +60,11 @@ def test_attention_matches_reference(backend, heads, dtype, padded):
     layer_idx = 1
     attn = model.layers[layer_idx].self_attn
     x = torch.randn(2, 12, 64, dtype=dtype, requires_grad=True)
-    key_valid = torch.ones(2, 12, dtype=torch.long)
-    if padded:
-        key_valid[1, :4] = 0
-    out = run_attention(attn, model, x, key_valid if padded else None)
-    rows = key_valid.bool()  # queries at pad positions see no valid key; their output is unspecified
-    grad_out = torch.randn_like(out) * rows[..., None]
-    out.backward(grad_out)
-
-    ref_weights = attention_weights(attn)
-    x_ref = x.detach().double().requires_grad_()
-    ref = reference_diff_attention(x_ref, ref_weights, model.config, layer_idx, key_valid if padded else None)
-    ref.backward(grad_out.double())
-
-    assert_close(out[rows], ref[rows], dtype, f"{backend}/{heads} output")
-    assert_close(x.grad, x_ref.grad, dtype, f"{backend}/{heads} d input")
-    params = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
-              "lq1": attn.lambda_params.q1, "lk1": attn.lambda_params.k1, "lq2": attn.lambda_params.q2,
-              "lk2": attn.lambda_params.k2, "subln": attn.subln.weight}
-    scale = max(ref_weights[name].grad.abs().max().item() for name in params)
-    for name, param in params.items():
-        expected = ref_weights[name].grad
-        atol, rtol = TOLERANCES[dtype]
-        diff = (param.grad.double() - expected).abs()
-        assert diff.max() <= atol * scale + rtol * expected.abs().max(), (
-            f"{backend}/{heads} d{name}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
-        )
+    assert_layer_matches_reference(
+        attn, model, x, attention_mask(padded) if padded else None, attention_params(attn),
+        lambda x_ref, weights, key_valid: reference_diff_attention(x_ref, weights, model.config, layer_idx, key_valid),
+        dtype, f"{backend}/{heads}",
+    )
 
 
 def test_lambda_init_schedule():
@@ -190,12 +156,8 @@ def test_cached_greedy_equals_full_forward_argmax(backend, heads):
 def test_left_padded_batch_generation_equals_one_by_one(backend):
     model = build_model(backend, num_attention_heads=4, num_key_value_heads=2)
     prompts = [torch.randint(3, 97, (n,)) for n in (9, 4, 6)]
-    width = max(len(p) for p in prompts)
-    batch = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for i, p in enumerate(prompts):
-        batch[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+    batch, mask = left_padded(prompts)
+    width = batch.shape[1]
     together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=12, do_sample=False, pad_token_id=0)

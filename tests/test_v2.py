@@ -1,21 +1,24 @@
-"""DIFF V2 (diff_version=2) against an independent fp64 reference written from docs/design.md §1, per head."""
+"""DIFF V2 (diff_version=2) against an independent fp64 reference written from docs/design.md, per head."""
 
 import math
 
 import pytest
 import torch
-from reference import TOLERANCES, assert_close, rope, tiny_config
+from reference import (
+    DTYPE_HEADS_PADDING,
+    HEADS,
+    assert_close,
+    assert_layer_matches_reference,
+    attention_mask,
+    fp64_leaves,
+    rope,
+    tiny_config,
+)
 from transformers import AutoModelForCausalLM
-from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.modeling_diff import CACHE_KWARG, FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-HEADS = {
-    "MHA": dict(num_attention_heads=2, num_key_value_heads=2),
-    "GQA": dict(num_attention_heads=2, num_key_value_heads=1),
-}
 BACKENDS = ["eager", "sdpa"]
 
 
@@ -58,47 +61,23 @@ def reference_v2_attention(x, w: dict, config, key_valid=None, return_maps: bool
     return (out, torch.stack(maps)) if return_maps else out
 
 
-def v2_weights(attn) -> dict:
-    named = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
-             "lambda": attn.lambda_proj.weight}
-    return {k: v.detach().double().requires_grad_() for k, v in named.items()}
+def v2_params(attn) -> dict[str, torch.nn.Parameter]:
+    return {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
+            "lambda": attn.lambda_proj.weight}
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "leftpad"])
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@DTYPE_HEADS_PADDING
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_v2_attention_matches_reference(backend, dtype, heads, padded):
     """B2-T12-H2-D16: V2 layer output and gradients (input, q/k/v/o, lambda_proj) vs the fp64 reference."""
-    dtype = DTYPES[dtype]
     model = build(backend, dtype, **HEADS[heads]).model
     attn = model.layers[1].self_attn
     x = torch.randn(2, 12, 64, dtype=dtype, requires_grad=True)
-    key_valid = torch.ones(2, 12, dtype=torch.long)
-    if padded:
-        key_valid[1, :4] = 0
-    position_ids = torch.arange(12)[None]
-    mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=key_valid if padded else None,
-                              position_ids=position_ids, **{CACHE_KWARG: None})
-    out, _ = attn(x, position_embeddings=model.rotary_emb(x, position_ids), attention_mask=mask)
-    rows = key_valid.bool()
-    grad_out = torch.randn_like(out) * rows[..., None]
-    out.backward(grad_out)
-    w = v2_weights(attn)
-    x_ref = x.detach().double().requires_grad_()
-    ref = reference_v2_attention(x_ref, w, model.config, key_valid if padded else None)
-    ref.backward(grad_out.double())
-    assert_close(out[rows], ref[rows], dtype, f"V2 {backend} output")
-    assert_close(x.grad, x_ref.grad, dtype, f"V2 {backend} d input")
-    atol, rtol = TOLERANCES[dtype]
-    params = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
-              "lambda": attn.lambda_proj.weight}
-    scale = max(w[name].grad.abs().max().item() for name in params)
-    for name, param in params.items():
-        diff = (param.grad.double() - w[name].grad).abs()
-        assert diff.max() <= atol * scale + rtol * w[name].grad.abs().max(), (
-            f"V2 {backend} d{name}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
-        )
+    assert_layer_matches_reference(
+        attn, model, x, attention_mask(padded) if padded else None, v2_params(attn),
+        lambda x_ref, weights, key_valid: reference_v2_attention(x_ref, weights, model.config, key_valid),
+        dtype, f"V2 {backend}",
+    )
 
 
 def test_v2_eager_output_attentions_is_differential_map():
@@ -110,7 +89,7 @@ def test_v2_eager_output_attentions_is_differential_map():
     for layer, (hidden, attentions) in enumerate(zip(out.hidden_states, out.attentions)):
         decoder = model.model.layers[layer]
         x = decoder.input_layernorm(hidden).double()
-        _, maps = reference_v2_attention(x, v2_weights(decoder.self_attn), model.config, return_maps=True)
+        _, maps = reference_v2_attention(x, fp64_leaves(v2_params(decoder.self_attn)), model.config, return_maps=True)
         assert_close(attentions, maps, torch.float32, f"V2 layer {layer} differential map")
 
 
