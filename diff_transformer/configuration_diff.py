@@ -47,6 +47,32 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
     matches = {key: difflib.get_close_matches(key, fields, n=2, cutoff=0.6) for key in kwargs if key not in ignored}
     return {key: found for key, found in matches.items() if found and not key.startswith("_")}
 
+# Tensor parallelism (`tp_plan="auto"`): rank r of n holds whole heads [r h/n, (r+1) h/n), i.e. both branches' q/k rows
+# of them in a V1 layer ("diff_colwise", diff_tensor_parallel.py), their kv heads' v rows and their o_proj columns;
+# lambda and SubLN whole ("diff_replicated"). Row ranges per layer kind: docs/design.md §8. n must divide h_kv.
+MLP_TP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+V1_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "diff_colwise",
+    "layers.*.self_attn.k_proj": "diff_colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn.lambda_params": "diff_replicated",
+    "layers.*.self_attn.subln": "diff_replicated",
+    **MLP_TP_PLAN,
+}
+V2_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn.lambda_proj": "colwise",
+    **MLP_TP_PLAN,
+}
+
 
 class DiffConfig(PreTrainedConfig):
     r"""
@@ -73,15 +99,7 @@ class DiffConfig(PreTrainedConfig):
 
     model_type = "diff_transformer"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output key before and after transformers 5.24
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+    base_model_tp_plan = V1_TP_PLAN  # `V2_TP_PLAN` when diff_version=2 (set in `__post_init__`)
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -132,6 +150,8 @@ class DiffConfig(PreTrainedConfig):
         if self.attention_types is None:
             self.attention_types = ["differential"] * self.num_hidden_layers
         self.validate_diff()
+        if self.diff_version == 2:
+            self.base_model_tp_plan = V2_TP_PLAN  # an instance attribute; transformers never serializes the plan
         super().__post_init__(**kwargs)
 
     @classmethod

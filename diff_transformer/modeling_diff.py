@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import SimpleNamespace
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +49,12 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     repeat_kv,
 )
-from transformers.utils import can_return_tuple, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig, check_local_path
+from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import saved_folder_defaults
 from .peft_defaults import register_peft_defaults
 from .tiled_diff_attention import autocast_off, tiled_diff_attention, tiled_pays
@@ -331,6 +333,8 @@ class DiffAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, 2 * self.num_key_value_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * dv, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dv, hidden, bias=config.attention_out_bias)
+        for proj in (self.q_proj, self.k_proj):
+            setattr(proj, BRANCH_HALVES, True)  # tensor parallelism shards each branch's half (diff_tensor_parallel.py)
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
         self.use_subln = config.use_subln
@@ -343,14 +347,16 @@ class DiffAttention(nn.Module):
         self.output_scale = 1.0 - value if self.use_subln else 1.0
 
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
-        """Project and rotate: q [B, 2h, T, d], k [B, h_kv, T, 2d] (k1 | k2 per kv head), v [B, h_kv, T, dv]."""
+        """Project and rotate: q [B, 2h, T, d], k [B, h_kv, T, 2d] (k1 | k2 per kv head), v [B, h_kv, T, dv].
+
+        Head counts come from the projections' outputs: under tensor parallelism a rank holds h / n heads."""
         batch, length, _ = hidden_states.shape
-        h_kv, d = self.num_key_value_heads, self.head_dim
+        d = self.head_dim
         q = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h, T, d]
         k = self.k_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h_kv, T, d]
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        k = k.view(batch, 2, h_kv, length, d).permute(0, 2, 3, 1, 4).reshape(batch, h_kv, length, 2 * d)
-        v = self.v_proj(hidden_states).view(batch, length, h_kv, -1).transpose(1, 2)  # [B, h_kv, T, dv]
+        k = k.view(batch, 2, -1, length, d).permute(0, 2, 3, 1, 4).reshape(batch, -1, length, 2 * d)
+        v = self.v_proj(hidden_states).view(batch, length, -1, self.value_head_dim).transpose(1, 2)  # [B, h_kv, T, dv]
         return q, k, v
 
     @takes_cache_alias
@@ -360,7 +366,7 @@ class DiffAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
         q, k, v = self.project(hidden_states, position_embeddings)
@@ -413,7 +419,7 @@ class DiffV2Attention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
@@ -429,7 +435,7 @@ class DiffV2Attention(nn.Module):
         else:
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
             attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-            attn = attn.view(batch, length, self.num_heads, 2, self.head_dim)  # [B, T, h, pair, d]
+            attn = attn.view(batch, length, -1, 2, self.head_dim)  # [B, T, h, pair, d]
             out = attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float()
         out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
         return out, weights
@@ -502,7 +508,7 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_out, _ = self.self_attn(  # the library's name: the standard layers are transformers' LlamaAttention
             self.input_layernorm(hidden_states),
@@ -556,6 +562,12 @@ class DiffPreTrainedModel(PreTrainedModel):
             for param in (module.q1, module.k1, module.q2, module.k2):
                 nn.init.normal_(param, mean=0.0, std=module.std)
 
+    @classmethod
+    def maybe_distribute_model(cls, model: "DiffPreTrainedModel", distributed_config, *args):
+        """transformers' sharding, once `check_tp_size` has found that every rank gets whole heads."""
+        check_tp_size(model.config, getattr(distributed_config, "tp_size", None) or 1)
+        return super().maybe_distribute_model(model, distributed_config, *args)
+
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
         if attn_implementation == FUSED_IMPLEMENTATION:
             ok, reason = triton_available()
@@ -606,7 +618,7 @@ class DiffModel(DiffPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -653,11 +665,13 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
 
     def _get_static_cache_init_shape(self) -> tuple[list[int], list[int]] | None:
         """Shapes for `generate`'s early static-cache allocation (chunked prefill): the model's (`cache_shapes`), not
-        the config's num_key_value_heads x head_dim. None (lazy allocation) under tensor parallelism or layers spread
-        over devices, as transformers does."""
-        if len(set(getattr(self, "hf_device_map", {0: None}).values())) > 1 or (getattr(self, "_tp_size", None) or 1) > 1:
+        the config's num_key_value_heads x head_dim; each of n tensor-parallel ranks holds 1/n of every layer's kv
+        heads. None (lazy allocation) for layers spread over devices, as transformers does."""
+        shapes = cache_shapes(self.config)
+        if len(set(getattr(self, "hf_device_map", {0: None}).values())) > 1 or shapes is None:
             return None
-        return cache_shapes(self.config)
+        heads, widths = shapes
+        return [count // (getattr(self, "_tp_size", None) or 1) for count in heads], widths
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
@@ -676,7 +690,7 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,

@@ -1,4 +1,4 @@
-"""Run a script of tests/ on several local processes (torchrun, gloo on CPU) and read back what rank 0 wrote.
+"""Run a script of tests/ on several local processes (torchrun, gloo on CPU) and read back what each rank wrote.
 
 The scripts take the output folder as their first argument and end with `finish`.
 """
@@ -12,28 +12,29 @@ from pathlib import Path
 import torch
 
 
-def torchrun(script: str, nproc: int, output_dir: Path, *args: str, timeout: float = 300) -> dict:
-    """Run `tests/<script> OUTPUT_DIR *ARGS` on `nproc` processes; return the JSON rank 0 wrote to OUTPUT_DIR."""
+def torchrun(script: str, nproc: int, output_dir: Path, *args: str, timeout: float = 300) -> list[dict]:
+    """Run `tests/<script> OUTPUT_DIR *ARGS` on `nproc` processes; return each rank's result, in rank order."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
     return launch(launcher, script, output_dir, *args, timeout=timeout)
 
 
-def launch(launcher: list[str], script: str, output_dir: Path, *args: str, timeout: float = 300) -> dict:
+def launch(launcher: list[str], script: str, output_dir: Path, *args: str, timeout: float = 300) -> list[dict]:
     """Run `tests/<script> OUTPUT_DIR *ARGS` under a launcher command (torchrun, `accelerate launch ...`)."""
     command = [*launcher, str(Path(__file__).with_name(script)), str(output_dir), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((output_dir / "results.json").read_text())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    files = sorted(Path(output_dir).glob("rank*.json"), key=lambda path: int(path.stem.removeprefix("rank")))
+    return [json.loads(path.read_text()) for path in files]
 
 
 def finish(output_dir: str | Path, results: dict) -> None:
-    """End a script of tests/: rank 0 (or the only process) writes OUTPUT_DIR/results.json; under torchrun every
-    process then leaves the process group and exits without returning."""
+    """End a script of tests/: each process writes OUTPUT_DIR/rank<r>.json; under torchrun every process then leaves
+    the process group and exits without returning."""
     distributed = torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_rank() == 0:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        Path(output_dir, "results.json").write_text(json.dumps(results))
+    rank = torch.distributed.get_rank() if distributed else 0
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    Path(output_dir, f"rank{rank}.json").write_text(json.dumps(results))
     if distributed:
         torch.distributed.destroy_process_group()
         # A gloo worker thread frees each finished collective after wait() has returned, and takes the GIL to drop

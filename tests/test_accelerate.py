@@ -69,7 +69,7 @@ LAUNCHERS = {
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_two_process_data_parallel_matches_single_process(single_process, tmp_path, launcher):
-    ddp = launch(LAUNCHERS[launcher], "ddp_train.py", tmp_path, str(ddp_train.GLOBAL_BATCH // 2))
+    ddp = launch(LAUNCHERS[launcher], "ddp_train.py", tmp_path, str(ddp_train.GLOBAL_BATCH // 2))[0]
     assert ddp["processes"] == 2, f"{launcher} started {ddp['processes']} process(es), not 2"
     assert ddp["engine"] == "DistributedDataParallel", ddp["engine"]
     assert_same_losses(ddp["losses"], single_process["losses"], DDP_RTOL, f"DDP on 2 processes ({launcher}) vs 1")

@@ -1,5 +1,6 @@
 """Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
 
+import inspect
 import math
 import os
 import subprocess
@@ -10,11 +11,14 @@ import pytest
 import torch
 from reference import (
     PADDED,
+    STACKS,
+    TOLERANCES,
     assert_close,
     assert_layer_matches_reference,
     attention_mask,
     attention_params,
     attention_weights,
+    build_stack,
     left_padded,
     paper_lambda_init,
     reference_diff_attention,
@@ -285,6 +289,27 @@ def test_eager_returns_differential_maps():
         assert_close(a2[0, j], ref_a2, torch.float32, f"head {j} A2")
         assert_close(out.attentions[0][0, j], ref_a1 - lam * ref_a2, torch.float32, f"head {j} A1 - lambda A2")
     assert BRANCH_MAPS.get() is None, "maps are still collected after the block"
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_eager_matches_sdpa_with_output_attentions(stack):
+    """transformers' eager-vs-sdpa test passes `output_attentions=True` only to a forward whose `**kwargs` declare it
+    (`Unpack[TransformersKwargs]`); with it, both backends give the same last hidden states on a left-padded batch,
+    the padded positions excepted, as that test checks."""
+    sdpa, eager = build_stack("sdpa", stack), build_stack("eager", stack)
+    for module in (sdpa, sdpa.model, sdpa.model.layers[0], sdpa.model.layers[0].self_attn):
+        kwargs = inspect.signature(module.forward).parameters["kwargs"]
+        assert "output_attentions" in kwargs.annotation.__args__[0].__annotations__, type(module).__name__
+    ids = torch.randint(3, 97, (7, 9))
+    mask = torch.ones_like(ids)
+    mask[-1, :2] = 0
+    with torch.no_grad():
+        expected, actual = (
+            m(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True).hidden_states[-1]
+            for m in (eager, sdpa)
+        )
+    assert_close(actual[:-1], expected[:-1], torch.float32, f"{stack}: sdpa vs eager hidden states")
+    assert_close(actual[-1, 2:], expected[-1, 2:], torch.float32, f"{stack}: sdpa vs eager, padded row")
 
 
 @pytest.mark.parametrize(

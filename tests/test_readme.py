@@ -43,6 +43,9 @@ BLOCKS = {
     "with init_empty_weights():": "slow",
     "torchrun --nproc_per_node 2 tests/ddp_train.py runs/ddp 2": "slow",
     "--config_file configs/accelerate_fsdp.yaml": "gpu",
+    "# tp_generate.py": SKIP + "the script the next block launches (tests/test_tensor_parallel.py loads with "
+    'tp_plan="auto" under torchrun)',
+    "torchrun --nproc_per_node 4 tp_generate.py": "gpu",
     "torchrun --nproc_per_node 2 tests/fsdp_train.py runs/fsdp": "slow",
     "fully_shard(layer)": SKIP + "runs inside each torchrun process; tests/fsdp_train.py is this code",
     'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)': "slow",

@@ -30,7 +30,7 @@ def single() -> tuple[DiffForCausalLM, TokenBlocks, list[float]]:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[Path, dict]:
     output_dir = tmp_path_factory.mktemp("fsdp")
-    return output_dir, torchrun("fsdp_train.py", 2, output_dir)
+    return output_dir, torchrun("fsdp_train.py", 2, output_dir)[0]
 
 
 def test_fsdp_two_processes_match_one(single, sharded):
@@ -70,6 +70,6 @@ def test_deepspeed_zero3_two_processes_match_one(tmp_path):
     pytest.importorskip("deepspeed")
     config = Path(__file__).resolve().parents[1] / "configs" / "deepspeed_zero3.json"
     single = ddp_train.train(str(tmp_path / "single"), per_device_batch=ddp_train.GLOBAL_BATCH)
-    zero3 = torchrun("ddp_train.py", 2, tmp_path / "zero3", str(ddp_train.GLOBAL_BATCH // 2), str(config))
+    zero3 = torchrun("ddp_train.py", 2, tmp_path / "zero3", str(ddp_train.GLOBAL_BATCH // 2), str(config))[0]
     assert zero3["engine"] == "DeepSpeedEngine", zero3["engine"]
     assert_same_losses(zero3["losses"], single["losses"], LOSS_RTOL, "DeepSpeed ZeRO-3 on 2 processes vs 1 process")
