@@ -403,9 +403,10 @@ def test_kernels_compute_in_fp32_under_autocast(kernel):
     assert torch.equal(got, expected), f"{kernel}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
 
 
-def test_subln_matches_the_formula():
-    """SubLN vs scale * weight * x / sqrt(mean(x^2) + eps) in fp64 (B2-T5-H3-D8): output and gradients."""
-    from diff_transformer.modeling_diff import SubLNRMSNorm
+def test_subln_backward_matches_autograd_of_the_formula():
+    """SubLN's hand-written backward vs autograd through scale * weight * x / sqrt(mean(x^2) + eps), in fp64
+    (B2-T5-H3-D8), plus torch's numerical gradcheck."""
+    from diff_transformer.modeling_diff import SubLNFunction, SubLNRMSNorm
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -421,6 +422,9 @@ def test_subln_matches_the_formula():
     for name, a, b in zip(("out", "dx", "dweight"), (got, *got_grads), (expected, *expected_grads)):
         diff = (a - b).abs()
         assert diff.max() < 1e-12, f"{name}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
+    with torch.no_grad():
+        assert torch.equal(ours(x, 0.7), got.detach()), "the no-grad path differs from the autograd path"
+    assert torch.autograd.gradcheck(lambda a, w: SubLNFunction.apply(a, w, 0.7, 1e-6), (x, weight))
 
 
 LEGACY_ROPE = {
