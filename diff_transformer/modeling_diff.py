@@ -180,8 +180,9 @@ def sub_ln(x: torch.Tensor, weight: torch.Tensor, scale: float, eps: float) -> t
 
 class SubLNFunction(torch.autograd.Function):
     """`sub_ln` with a hand-written backward. torch 2.13 has no fused CPU RMSNorm, and the composite one
-    (LlamaRMSNorm, then the scale) makes about 16 passes over the head outputs per layer, measured at 4% of a CPU
-    training step at B2-T1024; this makes about 9. With g = dL/dy * scale * weight and n = x / rms(x):
+    (LlamaRMSNorm, then the scale) makes about 16 passes over the head outputs per layer, this about 9. Kept for
+    its rounding, which the README's recorded training runs depend on, not for speed (benchmarks/RESULTS.md,
+    "SubLN backward"). With g = dL/dy * scale * weight and n = x / rms(x):
     dL/dx = (g - n * mean(g * n)) / rms(x)."""
 
     @staticmethod
