@@ -47,12 +47,12 @@ class KeyValueTask:
 
 
 def encode_example(tokenizer: PreTrainedTokenizerFast, prompt: str, answer: str | None = None) -> list[int]:
-    """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer </s>`) or is prompted
-    (`answer=None`: `<s> prompt`). A tokenizer with a chat template formats it as a user turn and an assistant turn,
+    """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer`) or is prompted
+    (`answer=None`: `<s> prompt`); generation stops at the folder's `max_length`, the training length. No `</s>`
+    after the answer: the README's default run learns less reliably with it (benchmarks/RESULTS.md). A tokenizer with a chat template formats it as a user turn and an assistant turn,
     exactly as `apply_chat_template` (and so `pipeline` with chat messages) does at inference."""
     if tokenizer.chat_template is None:
-        ids = tokenizer(prompt if answer is None else f"{prompt} {answer}")["input_ids"]
-        return ids if answer is None else ids + [tokenizer.eos_token_id]
+        return tokenizer(prompt if answer is None else f"{prompt} {answer}")["input_ids"]
     messages = [{"role": "user", "content": prompt}]
     if answer is not None:
         messages.append({"role": "assistant", "content": answer})

@@ -24,6 +24,7 @@ zero-padded query attends to the packed keys in one standard-attention call per 
 import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -91,7 +92,7 @@ def takes_cache_alias(forward: Callable) -> Callable:
     both names at once is an error.
 
     Not transformers' `deprecate_kwarg`: under 5.17 `past_key_values` is the library's current name (its `generate`
-    passes it), so a deprecation warning there would be wrong, and its both-names error says it "ignores" one name.
+    passes it), so it warns only where the library has renamed it, and its both-names error says it "ignores" one.
     """
 
     @functools.wraps(forward)
@@ -99,6 +100,9 @@ def takes_cache_alias(forward: Callable) -> Callable:
         if OLD_CACHE_KWARG in kwargs:
             if kwargs.get("cache") is not None:
                 raise ValueError(f"got the cache as both `cache` and `{OLD_CACHE_KWARG}`; pass it once, as `cache`")
+            if CACHE_KWARG == "cache":  # as transformers' own models warn from 5.24 on
+                warnings.warn(f"`{OLD_CACHE_KWARG}` is deprecated since transformers 5.24; pass the cache as `cache`",
+                              FutureWarning, stacklevel=2)
             kwargs["cache"] = kwargs.pop(OLD_CACHE_KWARG)
         return forward(*args, **kwargs)
 

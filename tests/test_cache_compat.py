@@ -4,6 +4,8 @@ transformers 5.24 renamed the forward argument `past_key_values` to `cache`; a m
 the cache under the other, and every decode step then sees one token and no context. Each test here fails then.
 """
 
+import warnings
+
 import pytest
 import torch
 from reference import STACKS, assert_close, build_stack
@@ -57,3 +59,15 @@ def test_output_carries_the_cache_where_transformers_llama_does():
         ours, theirs = build_stack("sdpa", "V1-GQA")(tokens, use_cache=True), llama(tokens, use_cache=True)
     assert list(ours.keys()) == list(theirs.keys())
     assert CACHE_KWARG in ours.keys() and ours[CACHE_KWARG].get_seq_length() == 3
+
+
+def test_past_key_values_warns_where_transformers_renamed_it():
+    """transformers >= 5.24 deprecates `past_key_values` with a FutureWarning in its own models; before, it is the
+    library's current name and gets none."""
+    model = build_stack("sdpa", "V1-GQA")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.tensor([[5, 6]]), past_key_values=DynamicCache(config=model.config), use_cache=True)
+    deprecations = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+    assert len(deprecations) == (1 if CACHE_KWARG == "cache" else 0), [str(w.message) for w in caught]
+    assert all(w.category is FutureWarning for w in deprecations)

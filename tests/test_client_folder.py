@@ -195,19 +195,19 @@ def test_lm_eval_style_loglikelihood_sees_the_training_tokens(cli_folder):
         pytest.skip("lm-eval scores plain text; the chat folder trains on chat turns")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = DiffForCausalLM.from_pretrained(folder).eval()
-    training = encode_example(tokenizer, PROMPT, ANSWER)  # what the CLI trained on: <s> prompt answer </s>
-    assert training[0] == tokenizer.bos_token_id and training[-1] == tokenizer.eos_token_id, training
+    training = encode_example(tokenizer, PROMPT, ANSWER)  # what the CLI trained on: <s> prompt answer
+    assert training[0] == tokenizer.bos_token_id and tokenizer.eos_token_id not in training, training
     training_logprobs = token_logprobs(model, training)
 
     inputs, loglikelihood = lm_eval_loglikelihood(model, tokenizer, PROMPT, " " + ANSWER, add_bos=True)
-    assert inputs == training[:-2], "with BOS from the tokenizer, lm-eval must feed the training tokens"
-    expected = training_logprobs[-2].item()  # the answer's log-probability inside the training sequence
+    assert inputs == training[:-1], "with BOS from the tokenizer, lm-eval must feed the training tokens"
+    expected = training_logprobs[-1].item()  # the answer's log-probability inside the training sequence
     assert abs(loglikelihood - expected) <= LOGPROB_ATOL, (loglikelihood, expected)
 
     inputs, _ = lm_eval_loglikelihood(model, tokenizer, PROMPT, " " + ANSWER, add_bos=False)
-    assert inputs == training[1:-2], "without BOS the input is the training sequence minus its <s>"
+    assert inputs == training[1:-1], "without BOS the input is the training sequence minus its <s>"
 
     inputs, rolling = lm_eval_rolling_loglikelihood(model, tokenizer, f"{PROMPT} {ANSWER}")
-    assert inputs == training[:-2], "the rolling window's BOS prefix must be the training sequence's <s>"
-    expected = training_logprobs[:-1].sum().item()  # every training target but the closing </s>
+    assert inputs == training[:-1], "the rolling window's BOS prefix must be the training sequence's <s>"
+    expected = training_logprobs.sum().item()  # every training target
     assert abs(rolling - expected) <= LOGPROB_ATOL, (rolling, expected)

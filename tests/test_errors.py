@@ -216,3 +216,12 @@ def test_console_script_answers_fast_without_hub(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "diff-transformer generate: error: argument model: no such folder: runs/typo" in result.stderr
     assert time.monotonic() - start < 30, "answered only after waiting for the Hub"
+
+
+def test_saved_config_with_extra_keys_reloads(tmp_path):
+    """Keys other tools add to a saved config (transformers' tests add `batch_norm_eps`, close to `rms_norm_eps`) are
+    kept as transformers keeps them: the typo check is for DiffConfig built in code."""
+    config = DiffConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config.batch_norm_eps = 1e-5
+    config.save_pretrained(tmp_path)
+    assert DiffConfig.from_pretrained(tmp_path).batch_norm_eps == 1e-5
