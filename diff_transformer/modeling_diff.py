@@ -234,14 +234,14 @@ def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, s
     """fp32 scores q k^T * scaling [B, H, T, S] with transformers' mask (boolean or additive; None: causal, the
     queries being the last T keys). Masked scores get a finite fill, so a fully masked row's softmax is uniform
     instead of NaN."""
-    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scaling
+    scores = torch.matmul(q.float() * scaling, k.float().transpose(2, 3))
     fill = torch.finfo(scores.dtype).min
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - q.shape[2])
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask[..., : k.shape[2]], fill)
+        return scores.masked_fill_(~mask[..., : k.shape[2]], fill)
     mask = mask[..., : k.shape[2]]
-    return scores + (mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask).to(scores.dtype)
+    return scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
 
 
 # `capture_branch_attentions` collects (A1, A2, lambda) of every eager differential layer here.
@@ -258,7 +258,7 @@ def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)
     if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
         branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
-    diff_map = a1 - lam * a2
+    diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2
     return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
 
 
