@@ -171,7 +171,8 @@ class DiffConfig(PreTrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
         """transformers' lookup, but a missing local folder and a checkpoint of another architecture are refused
-        with the fix (DiffForCausalLM.from_pretrained comes through here too)."""
+        with the fix. The model classes' `from_pretrained` checks the folder itself first (transformers resolves
+        files before it reads the config) and comes through here for the architecture."""
         check_local_path(pretrained_model_name_or_path)
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         check_model_type(config_dict, pretrained_model_name_or_path)
