@@ -1,22 +1,42 @@
-"""Small-scale reproduction of the Differential Transformer paper (Ye et al., arXiv 2410.05258): a tiny DIFF model
-versus a Llama baseline of (almost) equal parameter count, same data, steps and LR schedule, over several seeds.
+"""Small-scale reproduction of the Differential Transformer paper (Ye et al., arXiv 2410.05258): DIFF, transformers'
+DiffLlama and a Llama Transformer at equal parameter count, trained on identical data in identical batch order with
+the same seeds, reported as mean and spread over seeds.
 
-Tasks: a synthetic multi-needle retrieval task (needles "The magic number of <city> is <number>." in filler text,
-trained as language modelling) and, when the file exists, tiny Shakespeare. Reported as markdown, whatever it shows:
-validation loss, needle accuracy (greedy) and attention to answer / noise (paper Table 3) on retrieval prompts.
+1. Multi-needle retrieval (paper §3.4, scaled down): a haystack of filler sentences with N needles "The magic number
+   of <city> is <number>.", then R questions, each followed by its answer, trained as language modelling; greedy
+   accuracy on held-out prompts at five depths, along training and at the end.
+2. Attention to the answer and attention noise (paper Table 3) at the answering position of the trained retrieval
+   models, from the differential map A1 - lambda A2 of both differential models and the softmax map of Llama.
+3. Validation loss curves on a text file (tiny Shakespeare by default; skipped when missing), over seeds and in one
+   run several times longer, to show whether the gap to Llama closes or flips.
 
-    python benchmarks/paper_small.py --quick                   # 2 seeds, 250 steps (run time: RESULTS.md)
-    python benchmarks/paper_small.py --steps 20 --seeds 0 ...  # smoke test
+    python benchmarks/paper_small.py --calibrate     # Llama alone over --calibrate-needles: choose --needles
+    python benchmarks/paper_small.py                 # every experiment (--tasks retrieval / text: one of them)
+    python benchmarks/paper_small.py --quick         # the same pipeline at toy size, in about a minute
+    python benchmarks/paper_small.py --device cuda --hidden 256 --layers 6 ...  # scaled up on a GPU
+
+Writes OUTPUT_DIR/report.md, results.json and the figures accuracy.png and attention_maps.png (retrieval) and
+loss.png (text). Runs go to `--jobs` processes; each process builds the data itself and its checksum must agree.
 """
 
 import argparse
+import json
+import multiprocessing
 import random
+import re
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup, set_seed
+from transformers import (
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    get_cosine_schedule_with_warmup,
+    set_seed,
+)
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.data import text_file_dataset
@@ -24,54 +44,70 @@ from diff_transformer.evaluation import (
     CITIES,
     FILLER,
     NeedleSettings,
+    attention_maps,
     attention_noise,
     build_needle_prompt,
+    span_positions,
     needle,
     needle_accuracy,
+    pyplot,
 )
 from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
-QUICK = dict(seeds=[0, 1], steps=250, hidden=96, layers=3, examples=2000, eval_samples=8, context=128, block=160)
+MODELS = ("DIFF", "DiffLlama", "Transformer")
+DEPTHS = [0, 25, 50, 75, 100]
+QUICK = dict(seeds=[0, 1], steps=40, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1, examples=160, context=64,
+             needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1)
 
 
-def model_pair(vocab: int, args: argparse.Namespace) -> dict:
-    """DIFF with h heads (q/k sub-heads d = hidden/2h, value 2d) vs Llama with 2h heads of dim d: same projections."""
+def build_models(vocab: int, args: argparse.Namespace) -> dict:
+    """Same projection shapes: DIFF with h heads (q/k sub-heads d = hidden / 2h, values 2d), DiffLlama with 2h heads
+    of dim d paired into h differential heads, Llama with 2h heads of dim d."""
+    d = args.hidden // (2 * args.heads)
     shared = dict(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16 * 16,
                   num_hidden_layers=args.layers, max_position_embeddings=1024, tie_word_embeddings=True)
-    diff = DiffConfig(**shared, num_attention_heads=args.heads)
-    llama = LlamaConfig(**shared, num_attention_heads=2 * args.heads, head_dim=args.hidden // (2 * args.heads))
-    return {"DIFF": DiffForCausalLM._from_config(diff, attn_implementation="sdpa"),
-            "Transformer": LlamaForCausalLM._from_config(llama, attn_implementation="sdpa")}
+    configs = {
+        "DIFF": (DiffForCausalLM, DiffConfig(**shared, num_attention_heads=args.heads)),
+        "DiffLlama": (DiffLlamaForCausalLM, DiffLlamaConfig(**shared, num_attention_heads=2 * args.heads,
+                                                            num_key_value_heads=2 * args.heads, head_dim=d)),
+        "Transformer": (LlamaForCausalLM, LlamaConfig(**shared, num_attention_heads=2 * args.heads, head_dim=d)),
+    }
+    return {name: cls._from_config(config, attn_implementation="sdpa") for name, (cls, config) in configs.items()}
 
 
-def needle_texts(tokenizer, count: int, length: int, seed: int) -> list[str]:
-    settings = NeedleSettings(needles=4, queries=1)
-    rng = random.Random(seed)
-    texts = []
-    for _ in range(count):
-        prompt = build_needle_prompt(tokenizer, length, rng.choice([0, 25, 50, 75, 100]), settings, rng)
-        texts.append(f"{prompt.question(0)} {prompt.answers[0][1]}.")
-    return texts
+def needle_settings(args: argparse.Namespace, samples: int, seed: int) -> NeedleSettings:
+    return NeedleSettings(lengths=[args.context], depths=DEPTHS, needles=args.needles, queries=args.queries,
+                          samples=samples, seed=seed, digits=args.digits)
 
 
-def blocks(tokenizer, texts: list[str], block: int) -> torch.Tensor:
-    ids = [tokenizer(t)["input_ids"][:block] for t in texts]
-    ids = [row + [tokenizer.pad_token_id] * (block - len(row)) for row in ids]
-    return torch.tensor(ids)
+def retrieval_text(tokenizer, args: argparse.Namespace, rng: random.Random) -> str:
+    """One training sequence: a haystack as the evaluation builds it (queried needles at a random depth), then the
+    question and answer of every needle in it, in random order: each sequence teaches N retrievals."""
+    prompt = build_needle_prompt(tokenizer, args.context, rng.choice(DEPTHS), needle_settings(args, 1, 0), rng)
+    needles = re.findall(r"The magic number of (\w+) is (\d+)\.", prompt.context)
+    rng.shuffle(needles)
+    answers = " ".join(f"What is the magic number of {c}? The magic number of {c} is {n}." for c, n in needles)
+    return f"{prompt.context} {answers}"
 
 
-def retrieval_data(args: argparse.Namespace):
+def pad_rows(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])  # [N, width]
+
+
+def retrieval_data(args: argparse.Namespace) -> tuple:
     seed_texts = list(FILLER) * 20 + [needle(c, str(1000 + i)) for i, c in enumerate(CITIES)] * 5
     seed_texts += [f"What is the magic number of {c}? The magic number of {c} is" for c in CITIES]
     tokenizer = train_bpe_tokenizer(texts=seed_texts, vocab_size=512)
-    train = blocks(tokenizer, needle_texts(tokenizer, args.examples, args.context, seed=1), args.block)
-    val = blocks(tokenizer, needle_texts(tokenizer, 64, args.context, seed=2), args.block)
-    return tokenizer, train, val
+    rng = random.Random(1)
+    rows = [tokenizer(retrieval_text(tokenizer, args, rng))["input_ids"] for _ in range(args.examples + 128)]
+    data = pad_rows(rows, tokenizer.pad_token_id)
+    return tokenizer, data[:-128], data[-128:]
 
 
-def text_data(path: Path, args: argparse.Namespace):
-    tokenizer = train_bpe_tokenizer(files=[path], vocab_size=1024)
-    ids = torch.stack([block["input_ids"] for block in text_file_dataset(path, tokenizer, args.block)])
+def text_data(args: argparse.Namespace) -> tuple:
+    tokenizer = train_bpe_tokenizer(files=[args.data], vocab_size=1024)
+    ids = torch.stack([block["input_ids"] for block in text_file_dataset(args.data, tokenizer, args.text_block)])
     split = int(0.9 * len(ids))
     return tokenizer, ids[:split], ids[split:]
 
@@ -80,92 +116,278 @@ def labels_for(batch: torch.Tensor, pad_id: int) -> torch.Tensor:
     return batch.masked_fill(batch == pad_id, -100)
 
 
-def train(model, data: torch.Tensor, pad_id: int, args: argparse.Namespace, seed: int) -> None:
-    """AdamW + cosine schedule with warm-up; the batch order depends on the seed only, so both models see it."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
-    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.steps // 10), args.steps)
-    order = torch.Generator().manual_seed(seed)
+def validation_loss(model, data: torch.Tensor, pad_id: int, device: str) -> float:
+    with torch.no_grad():
+        losses = [model(c.to(device), labels=labels_for(c, pad_id).to(device)).loss.item() for c in data.split(32)]
+    return sum(losses) / len(losses)
+
+
+def retrieval_accuracy(model, tokenizer, args: argparse.Namespace, samples: int) -> dict:
+    """{depth: accuracy} over `samples` held-out prompts per depth, R questions each."""
+    results = needle_accuracy(model, tokenizer, needle_settings(args, samples, seed=7))
+    return {depth: value for (_, depth), value in results.items()}
+
+
+def evaluate(task: str, model, tokenizer, val: torch.Tensor, args: argparse.Namespace, final: bool) -> dict:
+    model.eval()
+    point = {"val_loss": validation_loss(model, val, tokenizer.pad_token_id, args.device)}
+    if task == "retrieval":
+        depths = retrieval_accuracy(model, tokenizer, args, args.eval_samples * (4 if final else 1))
+        point["accuracy"] = statistics.mean(depths.values())
+        if final:
+            point["accuracy_by_depth"] = depths
     model.train()
-    for _ in range(args.steps):
-        batch = data[torch.randint(len(data), (args.batch,), generator=order)]
-        model(batch, labels=labels_for(batch, pad_id)).loss.backward()
+    return point
+
+
+def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int) -> list:
+    """AdamW + cosine schedule with warm-up; the batch order depends on the seed only, so every model sees it.
+    Returns the evaluation curve [{step, val_loss, accuracy?}]."""
+    train_data, val = data
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
+    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
+    order = torch.Generator().manual_seed(seed)
+    checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
+    curve, pad_id = [], tokenizer.pad_token_id
+    model.train()
+    for step in range(1, steps + 1):
+        batch = train_data[torch.randint(len(train_data), (args.batch,), generator=order)]
+        model(batch.to(args.device), labels=labels_for(batch, pad_id).to(args.device)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
+        if step in checkpoints:
+            curve.append({"step": step, **evaluate(task, model, tokenizer, val, args, final=step == steps)})
+            print(f"  {task} {type(model).__name__} seed {seed}: {curve[-1]}", flush=True)
     model.eval()
+    return curve
 
 
-def validation_loss(model, data: torch.Tensor, pad_id: int) -> float:
-    with torch.no_grad():
-        losses = [model(chunk, labels=labels_for(chunk, pad_id)).loss.item() for chunk in data[:256].split(32)]
-    return sum(losses) / len(losses)
-
-
-def retrieval_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
-    settings = NeedleSettings(lengths=[args.context], depths=[0, 50, 100], needles=4, queries=1,
-                              samples=args.eval_samples, seed=7)
-    accuracy = statistics.mean(needle_accuracy(model, tokenizer, settings).values())
+def noise_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
+    """Mean attention to the answer needle and to the rest of the context (paper Table 3) at the answering position,
+    over held-out prompts at every depth."""
     model.set_attn_implementation("eager")
-    rng = random.Random(11)
-    prompts = [build_needle_prompt(tokenizer, args.context, 50, settings, rng) for _ in range(args.eval_samples)]
-    reports = [attention_noise(model, tokenizer, p) for p in prompts]
+    rng, settings = random.Random(11), needle_settings(args, 1, 0)
+    prompts = [build_needle_prompt(tokenizer, args.context, depth, settings, rng)
+               for depth in DEPTHS for _ in range(args.eval_samples)]
+    reports = [attention_noise(model, tokenizer, prompt) for prompt in prompts]
+    figure = figure_maps(model, tokenizer, prompts[len(prompts) // 2])
     model.set_attn_implementation("sdpa")
-    return {"accuracy": accuracy, "answer": statistics.mean(r["mean_answer"] for r in reports),
-            "noise": statistics.mean(r["mean_noise"] for r in reports)}
+    return {"answer": statistics.mean(r["mean_answer"] for r in reports),
+            "noise": statistics.mean(r["mean_noise"] for r in reports), "figure": figure}
 
 
-def run_task(name: str, tokenizer, train_data, val_data, args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for seed in args.seeds:
-        set_seed(seed)
-        for label, model in model_pair(len(tokenizer), args).items():
-            start = time.monotonic()
-            train(model, train_data, tokenizer.pad_token_id, args, seed)
-            row = {"task": name, "model": label, "seed": seed, "params": model.num_parameters(),
-                   "val_loss": validation_loss(model, val_data, tokenizer.pad_token_id)}
-            if name == "retrieval":
-                row.update(retrieval_metrics(model, tokenizer, args))
-            print(f"{name} {label} seed {seed}: {row} ({time.monotonic() - start:.0f}s)", flush=True)
-            rows.append(row)
-    return rows
+def figure_maps(model, tokenizer, prompt) -> dict:
+    """The maps of the head that gives the answer needle the most attention from the answering position, as in
+    notebooks/03_attention_maps.ipynb: {"maps": {title: [T, S]}, "answer": positions of the needle}."""
+    positions = span_positions(tokenizer, prompt.question(0), prompt)
+    maps, branches = attention_maps(model, positions["input_ids"])
+    on_answer = torch.stack([m[0, :, -1][:, positions["answer"]].sum(-1) for m in maps])  # [layers, heads]
+    layer, head = divmod(on_answer.argmax().item(), on_answer.shape[1])
+    panels = {"A1 - lambda A2" if branches else "softmax(Q K^T)": maps[layer][0, head]}
+    if branches:
+        a1, a2, lam = branches[layer]
+        lam = lam.flatten()[head if lam.numel() > 1 else 0].item()
+        panels = {"A1": a1[0, head], f"lambda A2 (lambda = {lam:.2f})": lam * a2[0, head], **panels}
+    return {"maps": {k: v.cpu() for k, v in panels.items()}, "answer": positions["answer"].nonzero().flatten(),
+            "where": f"layer {layer}, head {head}"}
+
+
+def run_unit(unit: tuple) -> dict:
+    """Train one model on one task with one seed; evaluate along the way and at the end."""
+    task, name, seed, steps, args = unit
+    torch.set_num_threads(args.threads)
+    tokenizer, train_data, val = retrieval_data(args) if task == "retrieval" else text_data(args)
+    set_seed(seed)
+    model = build_models(len(tokenizer), args)[name].to(args.device)
+    start = time.monotonic()
+    curve = train(task, model, tokenizer, (train_data, val), args, seed, steps)
+    row = {"task": task, "model": name, "seed": seed, "steps": steps, "params": model.num_parameters(),
+           "data": data_digest(train_data), "curve": curve, **curve[-1], "seconds": time.monotonic() - start,
+           "best_val_loss": min(p["val_loss"] for p in curve)}
+    if task == "retrieval":
+        row.update(noise_metrics(model, tokenizer, args))
+    print(f"{task} {name} seed {seed} ({steps} steps, {row['seconds']:.0f}s): val loss {row['val_loss']:.3f}"
+          + (f", accuracy {row['accuracy']:.3f}, answer {row['answer']:.3f}, noise {row['noise']:.3f}; accuracy "
+             f"along training {[round(p['accuracy'], 3) for p in curve]}" if task == "retrieval" else ""), flush=True)
+    return row
+
+
+def data_digest(data: torch.Tensor) -> int:
+    """Same data in every process: a checksum of the token ids."""
+    weights = torch.arange(1, data.numel() + 1, dtype=torch.float64).remainder(9973)
+    return int((data.flatten().double() * weights).sum().item())
+
+
+def units(args: argparse.Namespace) -> list[tuple]:
+    """Every (task, model, seed, steps) run, longest first so that parallel workers finish together."""
+    plan = [("retrieval", m, s, args.steps) for s in args.seeds for m in args.models] if "retrieval" in args.tasks else []
+    if "text" in args.tasks and not args.data.is_file():
+        print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
+    elif "text" in args.tasks:
+        plan += [("text", m, s, args.text_steps) for s in args.seeds for m in args.models]
+        plan += [("text-long", m, args.seeds[0], args.long_steps) for m in args.models] if args.long_steps else []
+    return sorted(plan, key=lambda u: -u[3])
+
+
+def run_all(plan: list[tuple], jobs: int) -> list[dict]:
+    """run_unit over (task, model, seed, steps, args) units, in `jobs` processes."""
+    if jobs == 1:
+        return [run_unit(u) for u in plan]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return pool.map(run_unit, plan, chunksize=1)
+
+
+def text_task(row: dict) -> str:
+    return "text" if row["task"] == "text-long" else row["task"]
+
+
+def check_same_data(rows: list[dict]) -> None:
+    for task in {text_task(r) for r in rows}:
+        digests = {r["data"] for r in rows if text_task(r) == task}
+        if len(digests) != 1:
+            raise RuntimeError(f"the {task} runs saw different data: checksums {digests}")
+
+
+def cell(values: list[float]) -> str:
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {spread:.3f}"
 
 
 def summarize(rows: list[dict]) -> str:
-    """Markdown: mean ± std over seeds per (task, model)."""
-    header = "| task | model | params | val loss | needle acc | attn to answer | attn noise |"
-    lines = [header, "|---|---|---|---|---|---|---|"]
-    for key in dict.fromkeys((r["task"], r["model"]) for r in rows):
-        group = [r for r in rows if (r["task"], r["model"]) == key]
+    """Markdown, one table per experiment: mean ± standard deviation over seeds."""
+    tables = {"retrieval": ("val_loss", "accuracy", "answer", "noise"), "text": ("val_loss", "best_val_loss"),
+              "text-long": ("val_loss", "best_val_loss")}
+    titles = {"retrieval": "Multi-needle retrieval, attention to the answer and attention noise",
+              "text": "Validation loss on the text file", "text-long": "Validation loss, the long run (one seed)"}
+    out = []
+    for task, fields in tables.items():
+        group = [r for r in rows if r["task"] == task]
+        if not group:
+            continue
+        out += [f"### {titles[task]}", "", f"{len(group) // len(MODELS)} seed(s), {group[0]['steps']} steps", "",
+                "| model | params | " + " | ".join(fields) + " |", "|---|---|" + "---|" * len(fields)]
+        for name in MODELS:
+            runs = [r for r in group if r["model"] == name]
+            if runs:
+                cells = " | ".join(cell([r[f] for r in runs]) for f in fields)
+                out.append(f"| {name} | {runs[0]['params'] / 1e6:.3f}M | {cells} |")
+        out.append("")
+    return "\n".join(out)
 
-        def cell(field: str) -> str:
-            values = [r[field] for r in group if field in r]
-            if not values:
-                return "-"
-            spread = statistics.stdev(values) if len(values) > 1 else 0.0
-            return f"{statistics.mean(values):.3f} ± {spread:.3f}"
 
-        cells = [cell(f) for f in ("val_loss", "accuracy", "answer", "noise")]
-        lines.append(f"| {key[0]} | {key[1]} | {group[0]['params'] / 1e6:.3f}M | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def plot_curves(rows: list[dict], panels: list[tuple], path: Path) -> None:
+    """One panel per (task, field, title): per model the mean over seeds along training, the band from min to max."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (task, field, title) in zip(axes[0], panels):
+        for name in MODELS:
+            runs = [r for r in rows if r["task"] == task and r["model"] == name]
+            if not runs:
+                continue
+            steps = [p["step"] for p in runs[0]["curve"]]
+            values = torch.tensor([[p[field] for p in r["curve"]] for r in runs])  # [seeds, points]
+            line = ax.plot(steps, values.mean(0), marker="o", markersize=3, label=name)[0]
+            ax.fill_between(steps, values.min(0).values, values.max(0).values, color=line.get_color(), alpha=0.2)
+        ax.set(title=title, xlabel="training step", ylabel=field.replace("_", " "))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_maps(rows: list[dict], path: Path) -> None:
+    """The trained retrieval models' maps of the head that attends most to the answer needle (first seed): rows are
+    models, the last column the map that multiplies V; the answer needle's keys are marked."""
+    plt = pyplot()
+    retrieval = [r for r in rows if r["task"] == "retrieval"]
+    seed = min(r["seed"] for r in retrieval)
+    figures = {name: r["figure"] for name in MODELS for r in retrieval if r["model"] == name and r["seed"] == seed}
+    fig, axes = plt.subplots(len(figures), 3, figsize=(13, 4 * len(figures)), squeeze=False)
+    for row_axes, (name, figure) in zip(axes, figures.items()):
+        panels = list(figure["maps"].items())
+        for ax in row_axes[: 3 - len(panels)]:
+            ax.axis("off")
+        for ax, (title, values) in zip(row_axes[3 - len(panels) :], panels):
+            limit = values.abs().flatten().quantile(0.995).item()  # the first key's sink would wash out the rest
+            image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit)
+            for key in (figure["answer"].min().item() - 0.5, figure["answer"].max().item() + 0.5):
+                ax.axvline(key, color="orange", linewidth=0.8)
+            ax.set(title=f"{name}: {title}", xlabel="key (orange: answer needle)", ylabel=f"query ({figure['where']})")
+            fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], args: argparse.Namespace, seconds: float) -> str:
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
+              f"run time: {seconds / 60:.1f} min\n\n{summarize(rows)}")
+    (args.output_dir / "report.md").write_text(report)
+    plain = [{k: v for k, v in r.items() if k != "figure"} for r in rows]
+    (args.output_dir / "results.json").write_text(json.dumps({"settings": settings, "rows": plain}, indent=1))
+    tasks = {r["task"] for r in rows}
+    if pyplot() is not None and "retrieval" in tasks:
+        plot_curves(rows, [("retrieval", "accuracy", "Multi-needle retrieval accuracy"),
+                           ("retrieval", "val_loss", "Retrieval task validation loss")], args.output_dir / "accuracy.png")
+        plot_maps(rows, args.output_dir / "attention_maps.png")
+    if pyplot() is not None and "text" in tasks:
+        plot_curves(rows, [(t, "val_loss", title) for t, title in (("text", "Text validation loss"),
+                                                                     ("text-long", "Text validation loss, long run"))
+                           if t in tasks], args.output_dir / "loss.png")
+    return report
+
+
+def calibrate(args: argparse.Namespace) -> str:
+    """Llama alone on the retrieval task for each needle count: the full experiment needs one where its accuracy is
+    between the floor and the ceiling (0.2 to 0.8)."""
+    lines = ["| needles N | queried R | steps | Transformer accuracy | val loss |", "|---|---|---|---|---|"]
+    plan = [vars(args) | {"needles": n} for n in args.calibrate_needles]
+    rows = run_all([("retrieval", "Transformer", args.seeds[0], args.steps, argparse.Namespace(**p)) for p in plan],
+                   args.jobs)
+    for settings, row in zip(plan, rows):
+        lines.append(f"| {settings['needles']} | {args.queries} | {args.steps} | {row['accuracy']:.3f} | "
+                     f"{row['val_loss']:.3f} |")
+    table = "\n".join(lines)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "calibration.md").write_text(f"settings: {vars(args)}\n\n{table}\n")
+    return table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"))
-    parser.add_argument("--quick", action="store_true", help=f"the short configuration: {QUICK}")
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"),
+                        help="text file for the loss curves (skipped when missing)")
+    parser.add_argument("--quick", action="store_true", help=f"toy size, for a smoke run: {QUICK}")
+    parser.add_argument("--calibrate", action="store_true", help="train Llama alone for each --calibrate-needles")
+    parser.add_argument("--calibrate-needles", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--tasks", nargs="+", choices=("retrieval", "text"), default=["retrieval", "text"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=600, help="training steps of the retrieval runs")
+    parser.add_argument("--text-steps", type=int, default=800, help="training steps of the text runs")
+    parser.add_argument("--long-steps", type=int, default=3200, help="steps of the long text run (0: none)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=2, help="DIFF heads h; the baseline has 2h")
-    parser.add_argument("--context", type=int, default=192, help="retrieval context length (tokens)")
-    parser.add_argument("--block", type=int, default=256, help="training sequence length")
-    parser.add_argument("--examples", type=int, default=4000, help="synthetic retrieval training sequences")
-    parser.add_argument("--eval-samples", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/paper_small.md"))
+    parser.add_argument("--heads", type=int, default=2, help="DIFF heads h; DiffLlama and Llama have 2h")
+    parser.add_argument("--context", type=int, default=192, help="retrieval haystack and question, in tokens")
+    parser.add_argument("--needles", type=int, default=4, help="needles N per haystack (see --calibrate)")
+    parser.add_argument("--queries", type=int, default=2, help="queried needles R per haystack")
+    parser.add_argument("--digits", type=int, default=3, help="digits of each magic number")
+    parser.add_argument("--examples", type=int, default=8000, help="retrieval training sequences")
+    parser.add_argument("--eval-samples", type=int, default=6, help="held-out prompts per depth along training; "
+                        "four times as many at the end")
+    parser.add_argument("--curve-points", type=int, default=6, help="evaluations along each run")
+    parser.add_argument("--text-block", type=int, default=128, help="training sequence length on the text file")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/paper_small"))
     if parser.parse_known_args(argv)[0].quick:  # explicit flags still override the quick defaults
         parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
@@ -173,15 +395,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = run_task("retrieval", *retrieval_data(args), args)
-    if args.data.is_file():
-        rows += run_task("tinyshakespeare", *text_data(args.data, args), args)
-    else:
-        print(f"skipping tiny Shakespeare: {args.data} not found")
-    settings = {k: v for k, v in vars(args).items() if k not in ("data", "output")}
-    report = f"# DIFF vs Transformer, small scale\n\nsettings: {settings}\n\n{summarize(rows)}\n"
-    args.output.write_text(report)
+    start = time.monotonic()
+    if args.calibrate:
+        table = calibrate(args)
+        print(table)
+        return table
+    rows = run_all([u + (args,) for u in units(args)], args.jobs)
+    check_same_data(rows)
+    report = write_outputs(rows, args, time.monotonic() - start)
     print(report)
     return report
 

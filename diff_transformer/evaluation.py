@@ -249,12 +249,35 @@ def span_positions(tokenizer: PreTrainedTokenizerBase, text: str, prompt: Needle
     return {"input_ids": encoded["input_ids"], "answer": answer, "noise": context & ~answer}
 
 
+def diffllama_branches(model, maps: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(A1 [B, h, T, S], A2, lambda) per layer of transformers' DiffLlama from its `output_attentions`, which holds
+    softmax(Q K^T) of all 2h heads: its output subtracts lambda times the second half of the heads from the first."""
+    branches = []
+    for layer, attention in zip(model.model.layers, maps):
+        module = layer.self_attn
+        lam = (torch.exp((module.lambda_q1 * module.lambda_k1).sum()) - torch.exp((module.lambda_q2 * module.lambda_k2)
+               .sum()) + module.lambda_init).detach().float()
+        a1, a2 = attention.float().chunk(2, dim=1)  # [B, 2h, T, S] -> 2 x [B, h, T, S]
+        branches.append((a1, a2, lam))
+    return branches
+
+
+def attention_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple]]:
+    """Per layer the map that multiplies V [B, heads, T, S], and (A1, A2, lambda) of differential layers: ours
+    through `capture_branch_attentions`, transformers' DiffLlama's from its attention outputs (eager models)."""
+    with torch.no_grad(), capture_branch_attentions(model) as branches:
+        maps = [m.float() for m in model(input_ids.to(model.device), output_attentions=True).attentions]
+    if model.config.model_type == "diffllama":
+        branches = diffllama_branches(model, maps)
+        maps = [a1 - lam * a2 for a1, a2, lam in branches]
+    return maps, branches
+
+
 def last_row_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple]]:
     """Head-averaged attention of the last position per layer [S], and (A1, lambda A2) rows of differential layers."""
-    with torch.no_grad(), capture_branch_attentions(model) as branches:
-        maps = model(input_ids.to(model.device), output_attentions=True).attentions
-        rows = [m[0, :, -1].float().mean(0).cpu() for m in maps]
-        branch_rows = [(a1[0, :, -1].mean(0).cpu(), (lam * a2[0, :, -1]).mean(0).cpu()) for a1, a2, lam in branches]
+    maps, branches = attention_maps(model, input_ids)
+    rows = [m[0, :, -1].mean(0).cpu() for m in maps]
+    branch_rows = [(a1[0, :, -1].mean(0).cpu(), (lam * a2[0, :, -1]).mean(0).cpu()) for a1, a2, lam in branches]
     return rows, branch_rows
 
 

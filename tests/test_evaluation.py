@@ -1,13 +1,14 @@
 """Needle retrieval, attention noise and activation outliers (paper §3.4, Tables 3 and 5) on tiny models (issue #5)."""
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
 from reference import tiny_config
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from diff_transformer import DiffForCausalLM
@@ -17,6 +18,7 @@ from diff_transformer.evaluation import (
     FILLER,
     NeedleSettings,
     activation_outliers,
+    attention_maps,
     attention_noise,
     build_needle_prompt,
     needle,
@@ -145,19 +147,47 @@ def attention_logit_reference(model: LlamaForCausalLM, ids: torch.Tensor) -> flo
     return max(captured).item()
 
 
+def test_diffllama_differential_map_is_what_multiplies_v(tokenizer):
+    """transformers' DiffLlama returns the softmax maps of all 2h heads; attention_maps pairs them into A1 - lambda A2
+    per differential head. Independent check: that map times the head's values (kv heads i and i + h side by side)
+    reproduces the input of DiffLlama's head norm, captured with a hook."""
+    torch.manual_seed(0)
+    config = DiffLlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=256)
+    model = DiffLlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    for layer in model.model.layers:  # lambda away from its init, so that a wrong lambda shows
+        torch.nn.init.normal_(layer.self_attn.lambda_q1, std=0.3)
+    values, normed = [], []
+    for layer in model.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda m, a, out: values.append(out))
+        layer.self_attn.groupnorm.register_forward_pre_hook(lambda m, a: normed.append(a[0]))
+    ids = tokenizer("The sky is blue. The magic number of Oslo is 1234. Here we go.", return_tensors="pt")["input_ids"]
+    maps, branches = attention_maps(model, ids)
+    assert len(branches) == 2 and maps[0].shape[1] == 2, "h = 2 differential heads per layer"
+    for i, (diff_map, v, expected) in enumerate(zip(maps, values, normed)):
+        v = v.view(1, ids.shape[1], 4, 16).transpose(1, 2)  # [B, kv heads, S, d]
+        v = torch.cat([v[:, :2], v[:, 2:]], dim=-1)  # head i reads kv heads i and i + h: [B, h, S, 2d]
+        actual = (diff_map @ v).transpose(1, 2)  # [B, T, h, 2d]
+        diff = (actual - expected).abs()
+        assert torch.allclose(actual, expected, atol=1e-5), (
+            f"layer {i}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}")
+
+
 def test_paper_small_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/paper_small.py end to end at toy size; a missing text file is skipped, not an error."""
+    """benchmarks/paper_small.py --quick end to end at toy size: three models at equal parameters on identical data,
+    report and figures written; a missing text file is skipped, not an error."""
     path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
     spec = importlib.util.spec_from_file_location("paper_small", path)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    report = benchmark.main([
-        "--steps", "3", "--seeds", "0", "--hidden", "32", "--layers", "1", "--heads", "1", "--examples", "40",
-        "--eval-samples", "1", "--context", "80", "--block", "96", "--data", str(tmp_path / "missing.txt"),
-        "--output", str(tmp_path / "report.md"),
-    ])
-    assert "skipping tiny Shakespeare" in capsys.readouterr().out
-    rows = [line for line in report.splitlines() if line.startswith("| retrieval |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["DIFF", "Transformer"]
-    params = [float(row.split("|")[3].strip().rstrip("M")) for row in rows]
-    assert abs(params[0] - params[1]) / params[1] < 0.01, f"parameter counts differ: {params}"
+    report = benchmark.main(["--quick", "--steps", "4", "--curve-points", "2", "--examples", "24", "--eval-samples",
+                             "1", "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "out")])
+    assert "skipping the text experiment" in capsys.readouterr().out
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| ") and "M |" in line]
+    assert [row[1].strip() for row in rows] == ["DIFF", "DiffLlama", "Transformer"]
+    params = [float(row[2].strip().rstrip("M")) for row in rows]
+    assert max(params) / min(params) - 1 < 0.01, f"parameter counts differ: {params}"
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert all(len(r["curve"]) == 2 and 0 <= r["accuracy"] <= 1 for r in results)
+    for name in ("accuracy.png", "attention_maps.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 1000

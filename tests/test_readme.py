@@ -32,6 +32,8 @@ SKIP = "skip: "
 BLOCKS = {
     "python3 -m venv .venv": "isolated",
     "bash .ci/run": SKIP + "the test suite itself",
+    "python benchmarks/paper_small.py --tasks text": SKIP + "the experiment itself (RESULTS.md has its run time); "
+    "tests/test_evaluation.py runs its --quick mode",
     "config = DiffConfig(vocab_size=1000": "fast",
     "capture_branch_attentions(model) as branches": "fast",
     'pip install -e ".[triton]"': SKIP + "installs the GPU backends (CUDA)",
