@@ -254,12 +254,16 @@ def diffllama_branches(model, maps: list[torch.Tensor]) -> list[tuple[torch.Tens
     softmax(Q K^T) of all 2h heads: its output subtracts lambda times the second half of the heads from the first."""
     branches = []
     for layer, attention in zip(model.model.layers, maps):
-        module = layer.self_attn
-        lam = (torch.exp((module.lambda_q1 * module.lambda_k1).sum()) - torch.exp((module.lambda_q2 * module.lambda_k2)
-               .sum()) + module.lambda_init).detach().float()
         a1, a2 = attention.float().chunk(2, dim=1)  # [B, 2h, T, S] -> 2 x [B, h, T, S]
-        branches.append((a1, a2, lam))
+        branches.append((a1, a2, diffllama_lambda(layer.self_attn)))
     return branches
+
+
+def diffllama_lambda(module: torch.nn.Module) -> torch.Tensor:
+    """lambda of one DiffLlama attention layer, as its forward computes it."""
+    lambda_1 = torch.exp((module.lambda_q1 * module.lambda_k1).sum())
+    lambda_2 = torch.exp((module.lambda_q2 * module.lambda_k2).sum())
+    return (lambda_1 - lambda_2 + module.lambda_init).detach().float()
 
 
 def attention_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple]]:
