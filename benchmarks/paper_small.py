@@ -56,8 +56,8 @@ from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 MODELS = ("DIFF", "DiffLlama", "Transformer")
 DEPTHS = [0, 25, 50, 75, 100]
-QUICK = dict(seeds=[0, 1], steps=40, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1, examples=160, context=64,
-             needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1)
+QUICK = dict(seeds=[0, 1], steps=40, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1, examples=160,
+             context=64, needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1)
 
 
 def build_models(vocab: int, args: argparse.Namespace) -> dict:
@@ -222,7 +222,9 @@ def data_digest(data: torch.Tensor) -> int:
 
 def units(args: argparse.Namespace) -> list[tuple]:
     """Every (task, model, seed, steps) run, longest first so that parallel workers finish together."""
-    plan = [("retrieval", m, s, args.steps) for s in args.seeds for m in args.models] if "retrieval" in args.tasks else []
+    plan = []
+    if "retrieval" in args.tasks:
+        plan += [("retrieval", m, s, args.steps) for s in args.seeds for m in args.models]
     if "text" in args.tasks and not args.data.is_file():
         print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
     elif "text" in args.tasks:
@@ -331,8 +333,9 @@ def write_outputs(rows: list[dict], args: argparse.Namespace, seconds: float) ->
     (args.output_dir / "results.json").write_text(json.dumps({"settings": settings, "rows": plain}, indent=1))
     tasks = {r["task"] for r in rows}
     if pyplot() is not None and "retrieval" in tasks:
-        plot_curves(rows, [("retrieval", "accuracy", "Multi-needle retrieval accuracy"),
-                           ("retrieval", "val_loss", "Retrieval task validation loss")], args.output_dir / "accuracy.png")
+        panels = [("retrieval", "accuracy", "Multi-needle retrieval accuracy"),
+                  ("retrieval", "val_loss", "Retrieval task validation loss")]
+        plot_curves(rows, panels, args.output_dir / "accuracy.png")
         plot_maps(rows, args.output_dir / "attention_maps.png")
     if pyplot() is not None and "text" in tasks:
         plot_curves(rows, [(t, "val_loss", title) for t, title in (("text", "Text validation loss"),
