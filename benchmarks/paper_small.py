@@ -10,13 +10,15 @@ the same seeds, reported as mean and spread over seeds.
 3. Validation loss curves on a text file (tiny Shakespeare by default; skipped when missing), over seeds and in one
    run several times longer, to show whether the gap to Llama closes or flips.
 
-    python benchmarks/paper_small.py --calibrate     # Llama alone over --calibrate-needles: choose --needles
+    python benchmarks/paper_small.py --calibrate     # Llama alone per --calibrate-needles: choose the setting
     python benchmarks/paper_small.py                 # every experiment (--tasks retrieval / text: one of them)
     python benchmarks/paper_small.py --quick         # the same pipeline at toy size, in about a minute
     python benchmarks/paper_small.py --device cuda --hidden 256 --layers 6 ...  # scaled up on a GPU
 
 Writes OUTPUT_DIR/report.md, results.json and the figures accuracy.png and attention_maps.png (retrieval) and
 loss.png (text). Runs go to `--jobs` processes; each process builds the data itself and its checksum must agree.
+Each finished run is stored in OUTPUT_DIR/runs and reused by a later call with the same settings: a stopped
+experiment resumes, and `--seeds` can grow.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,6 +39,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     get_cosine_schedule_with_warmup,
+    get_wsd_schedule,
     set_seed,
 )
 
@@ -57,8 +61,8 @@ from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 MODELS = ("DIFF", "DiffLlama", "Transformer")
 DEPTHS = [0, 25, 50, 75, 100]
-QUICK = dict(seeds=[0, 1], steps=40, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1, examples=160,
-             context=64, needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1)
+QUICK = dict(seeds=[0, 1], steps=40, batch=16, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1,
+             examples=160, context=64, needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1)
 
 
 def build_models(vocab: int, args: argparse.Namespace) -> dict:
@@ -141,18 +145,28 @@ def evaluate(task: str, model, tokenizer, val: torch.Tensor, args: argparse.Name
     return point
 
 
+def lr_schedule(optimizer, kind: str, steps: int):
+    """Linear warm-up over the first 10% of the steps, then cosine decay to 0, or (wsd) constant up to 80% and a
+    cosine decay over the last 20%."""
+    if kind == "wsd":
+        return get_wsd_schedule(optimizer, max(1, steps // 10), num_decay_steps=steps // 5, num_training_steps=steps)
+    return get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
+
+
 def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int) -> list:
-    """AdamW + cosine schedule with warm-up; the batch order depends on the seed only, so every model sees it.
+    """AdamW with a warm-up schedule (`lr_schedule`); the batch order depends on the seed only, so every model sees it.
     Returns the evaluation curve [{step, val_loss, accuracy?}]."""
     train_data, val = data
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
-    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
+    retrieval = task == "retrieval"
+    batch_size, lr = (args.batch, args.lr) if retrieval else (args.text_batch, args.text_lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.98))
+    schedule = lr_schedule(optimizer, args.schedule if retrieval else args.text_schedule, steps)
     order = torch.Generator().manual_seed(seed)
     checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
     curve, pad_id = [], tokenizer.pad_token_id
     model.train()
     for step in range(1, steps + 1):
-        batch = train_data[torch.randint(len(train_data), (args.batch,), generator=order)]
+        batch = train_data[torch.randint(len(train_data), (batch_size,), generator=order)]
         model(batch.to(args.device), labels=labels_for(batch, pad_id).to(args.device)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -233,12 +247,35 @@ def units(args: argparse.Namespace) -> list[tuple]:
     return sorted(plan, key=lambda u: -u[3])
 
 
-def run_all(plan: list[tuple], jobs: int) -> list[dict]:
-    """run_unit over (task, model, seed, steps, args) units, in `jobs` processes."""
+def run_all(plan: list[tuple], jobs: int) -> Iterator[dict]:
+    """run_unit over (task, model, seed, steps, args) units, in `jobs` processes; rows in plan order."""
     if jobs == 1:
-        return [run_unit(u) for u in plan]
+        yield from map(run_unit, plan)
+        return
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        return pool.map(run_unit, plan, chunksize=1)
+        yield from pool.imap(run_unit, plan, chunksize=1)
+
+
+# Settings that change no run's result: a stored run is reused whatever they are.
+RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", "calibrate", "calibrate_needles")
+
+
+def stored_path(unit: tuple) -> Path:
+    """OUTPUT_DIR/runs/<task>-<model>-seed<seed>-<hash of the settings>.pt: one finished run, figures included."""
+    task, name, seed, _, args = unit
+    settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in RUN_INDEPENDENT}
+    digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:10]
+    return args.output_dir / "runs" / f"{task}-{name}-seed{seed}-{digest}.pt"
+
+
+def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
+    """Rows of every unit in plan order: each finished run is stored as it ends, and a stored run with the same
+    settings is loaded instead of run again, so seeds can be added to an experiment and a stopped one resumed."""
+    todo = [u for u in plan if not stored_path(u).is_file()]
+    for unit, row in zip(todo, run_all(todo, max(1, min(jobs, len(todo)))), strict=True):
+        stored_path(unit).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(row, stored_path(unit))
+    return [torch.load(stored_path(u), weights_only=True) for u in plan]
 
 
 def text_task(row: dict) -> str:
@@ -349,8 +386,8 @@ def calibrate(args: argparse.Namespace) -> str:
     between the floor and the ceiling (0.2 to 0.8)."""
     lines = ["| needles N | queried R | steps | Transformer accuracy | val loss |", "|---|---|---|---|---|"]
     plan = [vars(args) | {"needles": n} for n in args.calibrate_needles]
-    rows = run_all([("retrieval", "Transformer", args.seeds[0], args.steps, argparse.Namespace(**p)) for p in plan],
-                   args.jobs)
+    runs = [("retrieval", "Transformer", args.seeds[0], args.steps, argparse.Namespace(**p)) for p in plan]
+    rows = list(run_all(runs, args.jobs))
     for settings, row in zip(plan, rows):
         lines.append(f"| {settings['needles']} | {args.queries} | {args.steps} | {row['accuracy']:.3f} | "
                      f"{row['val_loss']:.3f} |")
@@ -366,21 +403,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="text file for the loss curves (skipped when missing)")
     parser.add_argument("--quick", action="store_true", help=f"toy size, for a smoke run: {QUICK}")
     parser.add_argument("--calibrate", action="store_true", help="train Llama alone for each --calibrate-needles")
-    parser.add_argument("--calibrate-needles", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--calibrate-needles", type=int, nargs="+", default=[3])
     parser.add_argument("--tasks", nargs="+", choices=("retrieval", "text"), default=["retrieval", "text"])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=600, help="training steps of the retrieval runs")
+    parser.add_argument("--steps", type=int, default=3500, help="training steps of the retrieval runs")
+    parser.add_argument("--batch", type=int, default=32, help="batch of the retrieval runs")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the retrieval runs")
+    parser.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine", help="of the retrieval runs")
     parser.add_argument("--text-steps", type=int, default=800, help="training steps of the text runs")
     parser.add_argument("--long-steps", type=int, default=3200, help="steps of the long text run (0: none)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--text-batch", type=int, default=16)
+    parser.add_argument("--text-lr", type=float, default=2e-3)
+    parser.add_argument("--text-schedule", choices=("cosine", "wsd"), default="cosine")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=2, help="DIFF heads h; DiffLlama and Llama have 2h")
-    parser.add_argument("--context", type=int, default=192, help="retrieval haystack and question, in tokens")
-    parser.add_argument("--needles", type=int, default=4, help="needles N per haystack (see --calibrate)")
-    parser.add_argument("--queries", type=int, default=2, help="queried needles R per haystack")
+    parser.add_argument("--context", type=int, default=56, help="retrieval haystack and question, in tokens")
+    parser.add_argument("--needles", type=int, default=3, help="needles N per haystack (see --calibrate)")
+    parser.add_argument("--queries", type=int, default=1, help="queried needles R per haystack")
     parser.add_argument("--digits", type=int, default=3, help="digits of each magic number")
     parser.add_argument("--examples", type=int, default=8000, help="retrieval training sequences")
     parser.add_argument("--eval-samples", type=int, default=6, help="held-out prompts per depth along training; "
@@ -403,7 +444,7 @@ def main(argv: list[str] | None = None) -> str:
         table = calibrate(args)
         print(table)
         return table
-    rows = run_all([u + (args,) for u in units(args)], args.jobs)
+    rows = run_or_load([u + (args,) for u in units(args)], args.jobs)
     check_same_data(rows)
     report = write_outputs(rows, args, time.monotonic() - start)
     print(report)

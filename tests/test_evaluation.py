@@ -175,13 +175,15 @@ def test_diffllama_differential_map_is_what_multiplies_v(tokenizer):
 
 def test_paper_small_benchmark_smoke(tmp_path, capsys):
     """benchmarks/paper_small.py --quick end to end at toy size: three models at equal parameters on identical data,
-    report and figures written; a missing text file is skipped, not an error."""
+    report and figures written; a missing text file is skipped, not an error; stored runs are reused when seeds are
+    added."""
     path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
     spec = importlib.util.spec_from_file_location("paper_small", path)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    report = benchmark.main(["--quick", "--steps", "4", "--curve-points", "2", "--examples", "24", "--eval-samples",
-                             "1", "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "out")])
+    argv = ["--quick", "--steps", "4", "--curve-points", "2", "--examples", "24", "--eval-samples", "1",
+            "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "out")]
+    report = benchmark.main(argv)
     assert "skipping the text experiment" in capsys.readouterr().out
     rows = [line.split("|") for line in report.splitlines() if line.startswith("| ") and "M |" in line]
     assert [row[1].strip() for row in rows] == ["DIFF", "DiffLlama", "Transformer"]
@@ -191,3 +193,8 @@ def test_paper_small_benchmark_smoke(tmp_path, capsys):
     assert all(len(r["curve"]) == 2 and 0 <= r["accuracy"] <= 1 for r in results)
     for name in ("accuracy.png", "attention_maps.png"):
         assert (tmp_path / "out" / name).stat().st_size > 1000
+    stored = {run: run.stat().st_mtime_ns for run in (tmp_path / "out" / "runs").iterdir()}
+    assert len(stored) == 6, sorted(stored)
+    report = benchmark.main(argv + ["--seeds", "0", "1", "2"])
+    assert all(run.stat().st_mtime_ns == mtime for run, mtime in stored.items()), "a stored run was trained again"
+    assert len(list((tmp_path / "out" / "runs").iterdir())) == 9 and "3 seed(s)" in report
