@@ -145,7 +145,7 @@ def evaluate(task: str, model, tokenizer, val: torch.Tensor, args: argparse.Name
     return point
 
 
-def lr_schedule(optimizer, kind: str, steps: int):
+def lr_schedule(optimizer: torch.optim.Optimizer, kind: str, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over the first 10% of the steps, then cosine decay to 0, or (wsd) constant up to 80% and a
     cosine decay over the last 20%."""
     if kind == "wsd":
