@@ -160,7 +160,7 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
     retrieval = task == "retrieval"
     batch_size, lr = (args.batch, args.lr) if retrieval else (args.text_batch, args.text_lr)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.98))
-    schedule = lr_schedule(optimizer, args.schedule if retrieval else args.text_schedule, steps)
+    schedule = lr_schedule(optimizer, args.schedule if retrieval else "cosine", steps)
     order = torch.Generator().manual_seed(seed)
     checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
     curve, pad_id = [], tokenizer.pad_token_id
@@ -256,14 +256,21 @@ def run_all(plan: list[tuple], jobs: int) -> Iterator[dict]:
         yield from pool.imap(run_unit, plan, chunksize=1)
 
 
-# Settings that change no run's result: a stored run is reused whatever they are.
-RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", "calibrate", "calibrate_needles")
+# Settings that change no run's result (`quick` only sets others), and those only one task reads: a stored run is
+# reused whatever they are.
+RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", "calibrate", "calibrate_needles",
+                   "quick")
+TEXT_ONLY = ("data", "text_steps", "long_steps", "text_batch", "text_lr", "text_block")
+RETRIEVAL_ONLY = ("steps", "batch", "lr", "schedule", "context", "needles", "queries", "digits", "examples",
+                  "eval_samples")
 
 
 def stored_path(unit: tuple) -> Path:
-    """OUTPUT_DIR/runs/<task>-<model>-seed<seed>-<hash of the settings>.pt: one finished run, figures included."""
+    """OUTPUT_DIR/runs/<task>-<model>-seed<seed>-<hash of the settings the task reads>.pt: one finished run, figures
+    included."""
     task, name, seed, _, args = unit
-    settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in RUN_INDEPENDENT}
+    ignored = RUN_INDEPENDENT + (TEXT_ONLY if task == "retrieval" else RETRIEVAL_ONLY)
+    settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in ignored}
     digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:10]
     return args.output_dir / "runs" / f"{task}-{name}-seed{seed}-{digest}.pt"
 
@@ -415,7 +422,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-steps", type=int, default=3200, help="steps of the long text run (0: none)")
     parser.add_argument("--text-batch", type=int, default=16)
     parser.add_argument("--text-lr", type=float, default=2e-3)
-    parser.add_argument("--text-schedule", choices=("cosine", "wsd"), default="cosine")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=2, help="DIFF heads h; DiffLlama and Llama have 2h")

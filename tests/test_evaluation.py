@@ -176,7 +176,7 @@ def test_diffllama_differential_map_is_what_multiplies_v(tokenizer):
 def test_paper_small_benchmark_smoke(tmp_path, capsys):
     """benchmarks/paper_small.py --quick end to end at toy size: three models at equal parameters on identical data,
     report and figures written; a missing text file is skipped, not an error; stored runs are reused when seeds are
-    added."""
+    added or another task's settings change."""
     path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
     spec = importlib.util.spec_from_file_location("paper_small", path)
     benchmark = importlib.util.module_from_spec(spec)
@@ -195,6 +195,6 @@ def test_paper_small_benchmark_smoke(tmp_path, capsys):
         assert (tmp_path / "out" / name).stat().st_size > 1000
     stored = {run: run.stat().st_mtime_ns for run in (tmp_path / "out" / "runs").iterdir()}
     assert len(stored) == 6, sorted(stored)
-    report = benchmark.main(argv + ["--seeds", "0", "1", "2"])
+    report = benchmark.main(argv + ["--seeds", "0", "1", "2", "--text-steps", "5"])  # a text-only flag changes no run
     assert all(run.stat().st_mtime_ns == mtime for run, mtime in stored.items()), "a stored run was trained again"
     assert len(list((tmp_path / "out" / "runs").iterdir())) == 9 and "3 seed(s)" in report
