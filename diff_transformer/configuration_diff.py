@@ -1,5 +1,6 @@
 """Configuration of the Differential Transformer (Ye et al., "Differential Transformer", arXiv 2410.05258)."""
 
+import copy
 import difflib
 import math
 import os
@@ -233,6 +234,40 @@ class DiffConfig(PreTrainedConfig):
                 f"standard layers need value_head_dim ({self.value_head_dim}) to be a multiple of head_dim "
                 f"({self.head_dim})",
             )
+
+    @property
+    def per_layer_config(self) -> list["DiffConfig"]:
+        """Each layer's config as transformers reads it to allocate a cache before the first forward (`generate`'s
+        static cache, the ExecuTorch recipe): `num_key_value_heads` x `head_dim` of the cached keys and values.
+
+        A differential layer's cache is not its query shape (docs/design.md §5): V1 caches packed keys (k1 | k2)
+        and values 2d wide per kv head, V2 h_kv heads of d, and a standard layer of a hybrid stack h_kv dv / d
+        heads of d. Where keys and values differ in width (V1 with dv != 2d), `qk_head_dim` / `v_head_dim` mark
+        the layer as transformers marks MLA layers, and the cache is allocated by the first forward instead."""
+        return [self.layer_cache_config(kind) for kind in self.attention_types]
+
+    @per_layer_config.setter
+    def per_layer_config(self, value: dict | None) -> None:
+        self._check(value is None, "per_layer_config is not supported; hybrid stacks are set by attention_types")
+
+    @property
+    def per_layer_attributes(self) -> set[str]:
+        """The fields `per_layer_config` sets per layer (transformers < 5.24 reads only the fields named here)."""
+        return {"num_key_value_heads", "head_dim"}
+
+    def layer_cache_config(self, kind: str) -> "DiffConfig":
+        d, dv, h_kv = self.head_dim, self.value_head_dim, self.num_key_value_heads
+        if kind == "standard":
+            shape = {"num_key_value_heads": h_kv * dv // d}
+        elif self.diff_version == 2:
+            shape = {}
+        elif dv == 2 * d:
+            shape = {"head_dim": 2 * d}
+        else:
+            shape = {"head_dim": 2 * d, "qk_head_dim": 2 * d, "v_head_dim": dv}
+        layer = copy.copy(self)
+        layer.__dict__.update(shape)  # a description of the cache, not a model config: no field validation
+        return layer
 
     def layer_lambda_init(self, layer_idx: int) -> float:
         """lambda_init of a layer: the constant override, else `0.8 - 0.6 exp(-0.3 layer_idx)` (0-based)."""

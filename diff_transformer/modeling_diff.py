@@ -17,8 +17,9 @@ docs/design.md):
     return : ([B, T, h, dv] fp32 difference, attention map or None)
 
 Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share one head count (one cache layer per
-attention layer, `cache_shapes`), both branches read their keys as zero-copy views, and (with dv = 2d) a
-zero-padded query attends to the packed keys in one standard-attention call per branch (`branch_calls`).
+attention layer, described to transformers by `DiffConfig.per_layer_config`), both branches read their keys as
+zero-copy views, and (with dv = 2d) a zero-padded query attends to the packed keys in one standard-attention call
+per branch (`branch_calls`).
 """
 
 import functools
@@ -504,28 +505,6 @@ def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
 ATTENTION_CLASSES = (DiffAttention, DiffV2Attention, DiffStandardAttention)
 
 
-def cache_shapes(config: DiffConfig) -> tuple[list[int], list[int]] | None:
-    """Per layer (kv heads, width) of the cached keys and values, or None where a layer's keys and values differ in
-    width (V1 with value_head_dim != 2 head_dim), which transformers' early cache allocation cannot express.
-
-    transformers allocates a static cache from the config as (num_key_value_heads, head_dim) for keys and values,
-    but a differential layer caches its keys packed (k1 | k2), 2 head_dim wide, and a standard layer of a hybrid
-    stack has value_head_dim / head_dim times the kv heads.
-    """
-    d, dv, h_kv = config.head_dim, config.value_head_dim, config.num_key_value_heads
-    heads, widths = [], []
-    for kind in config.attention_types:
-        if kind == "standard":
-            heads.append(h_kv * dv // d), widths.append(d)
-        elif config.diff_version == 2:
-            heads.append(h_kv), widths.append(d)
-        elif dv == 2 * d:
-            heads.append(h_kv), widths.append(2 * d)
-        else:
-            return None
-    return heads, widths
-
-
 class DiffDecoderLayer(GradientCheckpointingLayer):
     """Pre-RMSNorm block: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
 
@@ -699,14 +678,18 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _get_static_cache_init_shape(self) -> tuple[list[int], list[int]] | None:
-        """Shapes for `generate`'s early static-cache allocation (chunked prefill): the model's (`cache_shapes`), not
-        the config's num_key_value_heads x head_dim; each of n tensor-parallel ranks holds 1/n of every layer's kv
-        heads. None (lazy allocation) for layers spread over devices, as transformers does."""
-        shapes = cache_shapes(self.config)
-        if len(set(getattr(self, "hf_device_map", {0: None}).values())) > 1 or shapes is None:
+        """Shapes for `generate`'s early static-cache allocation (chunked prefill), read per layer from
+        `DiffConfig.per_layer_config` as transformers >= 5.24 reads them (earlier versions read the global
+        num_key_value_heads x head_dim); each of n tensor-parallel ranks holds 1/n of every layer's kv heads. None
+        (allocation by the first forward) for layers spread over devices or keys and values of different widths,
+        as transformers does."""
+        layers = self.config.per_layer_config
+        if len(set(getattr(self, "hf_device_map", {0: None}).values())) > 1 or any(
+            getattr(layer, "qk_head_dim", None) for layer in layers
+        ):
             return None
-        heads, widths = shapes
-        return [count // (getattr(self, "_tp_size", None) or 1) for count in heads], widths
+        ranks = getattr(self, "_tp_size", None) or 1
+        return [layer.num_key_value_heads // ranks for layer in layers], [layer.head_dim for layer in layers]
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""

@@ -1,16 +1,17 @@
 """Export of the README's model (issue #15): `torch.export` with dynamic batch and sequence up to the model's
 context, ONNX through `torch.onnx.export(dynamo=True)` run by onnxruntime, and transformers' ExecuTorch recipe
-(`executorch_module`), each against the eager model. The model is the README main job's (`diff-transformer
+(`TorchExportableModuleForDecoderOnlyLM`, unmodified: it allocates the static cache from the config), each against
+the eager model. The model is the README main job's (`diff-transformer
 train`), trained for a few steps."""
 
 import pytest
 import torch
 from reference import STACKS, assert_close, build_stack
 from torch.export import Dim
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
 from diff_transformer.cli import main
-from diff_transformer.exporting import executorch_module
 
 PROMPT = "k3 v7 k9 v2 ? k9"
 
@@ -67,6 +68,15 @@ def test_onnx_matches_eager_logits(readme_model, tmp_path):
             assert_close(torch.from_numpy(logits), model(ids).logits, torch.float32, f"onnxruntime B{batch}-T{length}")
 
 
+def executorch_program(model, ids: torch.Tensor, max_cache_len: int) -> torch.export.ExportedProgram:
+    """transformers' recipe as its documentation uses it: a static-cache generation config, then `export`."""
+    model.generation_config = GenerationConfig(
+        use_cache=True, cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_cache_len}
+    )
+    recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
+    return recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([0]))
+
+
 def exported_greedy(program, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy decoding with the exported program one token per call, positions 0, 1, ... as an ExecuTorch runner
     feeds them. (transformers' `TorchExportableModuleWithStaticCache.generate` feeds each new token one position
@@ -83,7 +93,7 @@ def exported_greedy(program, ids: torch.Tensor, new_tokens: int) -> torch.Tensor
 def test_executorch_recipe_generates_the_eager_tokens(readme_model):
     model, tokenizer = readme_model
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    program = executorch_module(model, max_cache_len=64).export(input_ids=ids[:, :1], cache_position=torch.tensor([0]))
+    program = executorch_program(model, ids, max_cache_len=64)
     exported = exported_greedy(program, ids, 6)
     eager = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, cache_implementation="dynamic")
     assert torch.equal(exported, eager), f"{tokenizer.decode(exported[0])!r} != {tokenizer.decode(eager[0])!r}"
@@ -96,7 +106,7 @@ def test_executorch_recipe_decodes_like_the_full_forward(stack):
     (random tiny models, whose near-tied logits make greedy tokens a fragile comparison)."""
     model = build_stack("sdpa", stack)
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(2))
-    program = executorch_module(model, max_cache_len=16).export(input_ids=ids[:, :1], cache_position=torch.tensor([0]))
+    program = executorch_program(model, ids, max_cache_len=16)
     with torch.no_grad():
         full = model(ids).logits
     for t in range(ids.shape[1]):

@@ -2,21 +2,21 @@
 the static cache transformers allocates from the config, compiled generation with every output, output recording
 and gradients on returned hidden states and attentions (issue #15).
 
-The cache holds the model's own layout (`cache_shapes`): a differential layer caches its keys packed (k1 | k2), so
-no layer's cache has transformers' default shape (num_key_value_heads, head_dim) for keys and values. A kv head
-caches 2 head_dim key and value_head_dim >= head_dim value channels per token, and the default shape holds
-2 head_dim, so no layout can fit it; transformers' MLA models (key and value widths of their own) are in the same
-position. The tests check the cache against `cache_shapes` instead, and that transformers' own machinery (early
-static allocation, cropping in assisted decoding, beam reordering) works on it.
+The cache holds the model's own layout: a differential layer caches its keys packed (k1 | k2), so its cache is not
+its query shape. The config describes each layer's cache as transformers reads it (`DiffConfig.per_layer_config`,
+read by transformers' `get_head_shapes`), and the tests check the cache against what transformers reads, and that
+transformers' own machinery (early static allocation, cropping in assisted decoding, beam reordering) works on it.
 """
 
 import pytest
 import torch
 from reference import STACKS, assert_close, build_stack
 from transformers import CompileConfig, StaticCache
+from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder
 
-from diff_transformer.modeling_diff import CACHE_KWARG, cache_shapes
+from diff_transformer import DiffConfig
+from diff_transformer.modeling_diff import CACHE_KWARG
 
 PROMPT = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(3))
 
@@ -28,8 +28,13 @@ def layer_heads(config, layer_idx: int) -> int:
     return config.num_attention_heads
 
 
+def library_cache_shapes(config) -> tuple[list[int], list[int]]:
+    """Per layer (kv heads, width) of keys and values, as transformers reads them from the config."""
+    return tuple([x] * config.num_hidden_layers if isinstance(x, int) else x for x in get_head_shapes(config))
+
+
 def assert_cache_layout(cache, config, batch: int, length: int) -> None:
-    heads, widths = cache_shapes(config)
+    heads, widths = library_cache_shapes(config)
     for i, layer in enumerate(cache.layers):
         expected = (batch, heads[i], length, widths[i])
         assert tuple(layer.keys.shape) == expected, f"layer {i} keys {tuple(layer.keys.shape)} != {expected}"
@@ -98,15 +103,34 @@ def test_dict_outputs_with_cache_match_no_cache(stack, beams):
 def test_static_cache_allocated_from_the_config(backend, stack):
     """transformers allocates the static cache up front for a chunked prefill, with the model's shapes
     (`_get_static_cache_init_shape`); generation then equals dynamic-cache greedy search, and so does a static cache
-    built by hand with `StaticCache(config=...)` + `early_initialization`."""
+    built by hand as transformers' ExecuTorch recipe builds it: `StaticCache(config=...)` + `early_initialization`
+    with the shapes transformers reads from the config (`get_head_shapes`)."""
     model = build_stack(backend, stack)
     greedy = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     run = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
     assert torch.equal(model.generate(PROMPT, prefill_chunk_size=3, **run), greedy)
     cache = StaticCache(config=model.config, max_cache_len=16)
-    cache.early_initialization(2, *cache_shapes(model.config), dtype=torch.float32, device=torch.device("cpu"))
+    cache.early_initialization(2, *get_head_shapes(model.config), dtype=torch.float32, device=torch.device("cpu"))
     assert torch.equal(model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                       **{CACHE_KWARG: cache}), greedy)
+
+
+def test_keys_and_values_of_different_widths_are_allocated_by_the_first_forward():
+    """V1 with value_head_dim = head_dim (converted models) caches 2d-wide keys and d-wide values, which one
+    (num_key_value_heads, head_dim) cannot describe: the config marks the layers as transformers marks MLA layers
+    (`qk_head_dim`), so `generate` leaves the static cache to the first forward, and still equals greedy search."""
+    model = build_stack("sdpa", "V1-GQA", value_head_dim=16)
+    assert [layer.qk_head_dim for layer in model.config.per_layer_config] == [32, 32]
+    assert model._get_static_cache_init_shape() is None
+    greedy = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    static = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False, prefill_chunk_size=3,
+                            cache_implementation="static")
+    assert torch.equal(static, greedy), f"static {static.tolist()} != greedy {greedy.tolist()}"
+
+
+def test_per_layer_config_cannot_be_set():
+    with pytest.raises(ValueError, match="attention_types"):
+        DiffConfig(num_hidden_layers=2, per_layer_config={0: {"head_dim": 8}})
 
 
 @pytest.mark.parametrize("stack", list(STACKS))
