@@ -312,7 +312,7 @@ def summarize(rows: list[dict]) -> str:
         group = [r for r in rows if r["task"] == task]
         if not group:
             continue
-        out += [f"### {titles[task]}", "", f"{len(group) // len(MODELS)} seed(s), {group[0]['steps']} steps", "",
+        out += [f"### {titles[task]}", "", f"{len({r['seed'] for r in group})} seed(s), {group[0]['steps']} steps", "",
                 "| model | params | " + " | ".join(fields) + " |", "|---|---|" + "---|" * len(fields)]
         for name in MODELS:
             runs = [r for r in group if r["model"] == name]
