@@ -18,7 +18,8 @@ the same seeds, reported as mean and spread over seeds.
 Writes OUTPUT_DIR/report.md, results.json and the figures accuracy.png and attention_maps.png (retrieval) and
 loss.png (text). Runs go to `--jobs` processes; each process builds the data itself and its checksum must agree.
 Each finished run is stored in OUTPUT_DIR/runs and reused by a later call with the same settings: a stopped
-experiment resumes, and `--seeds` can grow.
+experiment resumes, and `--seeds` can grow. A run's training state is kept there too at each evaluation, so a
+stopped run resumes from its last evaluation with the same result.
 """
 
 import argparse
@@ -153,9 +154,11 @@ def lr_schedule(optimizer: torch.optim.Optimizer, kind: str, steps: int) -> torc
     return get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
 
 
-def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int) -> list:
+def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int,
+          partial: Path | None = None) -> list:
     """AdamW with a warm-up schedule (`lr_schedule`); the batch order depends on the seed only, so every model sees it.
-    Returns the evaluation curve [{step, val_loss, accuracy?}]."""
+    At each evaluation the whole training state is saved to `partial`, and a run finding one there resumes from it
+    with the same result as if never stopped. Returns the evaluation curve [{step, val_loss, accuracy?}]."""
     train_data, val = data
     retrieval = task == "retrieval"
     batch_size, lr = (args.batch, args.lr) if retrieval else (args.text_batch, args.text_lr)
@@ -163,9 +166,10 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
     schedule = lr_schedule(optimizer, args.schedule if retrieval else "cosine", steps)
     order = torch.Generator().manual_seed(seed)
     checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
-    curve, pad_id = [], tokenizer.pad_token_id
+    pad_id, parts = tokenizer.pad_token_id, {"model": model, "optimizer": optimizer, "schedule": schedule}
+    curve, first = resume(partial, parts, order) if partial is not None and partial.is_file() else ([], 1)
     model.train()
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         batch = train_data[torch.randint(len(train_data), (batch_size,), generator=order)]
         model(batch.to(args.device), labels=labels_for(batch, pad_id).to(args.device)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -175,8 +179,22 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
         if step in checkpoints:
             curve.append({"step": step, **evaluate(task, model, tokenizer, val, args, final=step == steps)})
             print(f"  {task} {type(model).__name__} seed {seed}: {curve[-1]}", flush=True)
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"step": step, "curve": curve, "order": order.get_state(),
+                            **{name: part.state_dict() for name, part in parts.items()}}, partial)
     model.eval()
     return curve
+
+
+def resume(partial: Path, parts: dict, order: torch.Generator) -> tuple[list, int]:
+    """Load a stopped run's state into `parts` (model, optimizer, schedule) and `order`: (curve so far, next step)."""
+    state = torch.load(partial, weights_only=True)
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+    order.set_state(state["order"])
+    print(f"  resuming {partial.name} after step {state['step']}", flush=True)
+    return state["curve"], state["step"] + 1
 
 
 def noise_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
@@ -217,7 +235,7 @@ def run_unit(unit: tuple) -> dict:
     set_seed(seed)
     model = build_models(len(tokenizer), args)[name].to(args.device)
     start = time.monotonic()
-    curve = train(task, model, tokenizer, (train_data, val), args, seed, steps)
+    curve = train(task, model, tokenizer, (train_data, val), args, seed, steps, partial_path(unit))
     row = {"task": task, "model": name, "seed": seed, "steps": steps, "params": model.num_parameters(),
            "data": data_digest(train_data), "curve": curve, **curve[-1], "seconds": time.monotonic() - start,
            "best_val_loss": min(p["val_loss"] for p in curve)}
@@ -275,6 +293,11 @@ def stored_path(unit: tuple) -> Path:
     return args.output_dir / "runs" / f"{task}-{name}-seed{seed}-{digest}.pt"
 
 
+def partial_path(unit: tuple) -> Path:
+    """Where a run keeps its training state between evaluations until it is stored (not committed: .gitignore)."""
+    return stored_path(unit).with_suffix(".partial.pt")
+
+
 def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
     """Rows of every unit in plan order: each finished run is stored as it ends, and a stored run with the same
     settings is loaded instead of run again, so seeds can be added to an experiment and a stopped one resumed."""
@@ -282,6 +305,7 @@ def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
     for unit, row in zip(todo, run_all(todo, max(1, min(jobs, len(todo)))), strict=True):
         stored_path(unit).parent.mkdir(parents=True, exist_ok=True)
         torch.save(row, stored_path(unit))
+        partial_path(unit).unlink(missing_ok=True)
     return [torch.load(stored_path(u), weights_only=True) for u in plan]
 
 
@@ -395,6 +419,8 @@ def calibrate(args: argparse.Namespace) -> str:
     plan = [vars(args) | {"needles": n} for n in args.calibrate_needles]
     runs = [("retrieval", "Transformer", args.seeds[0], args.steps, argparse.Namespace(**p)) for p in plan]
     rows = list(run_all(runs, args.jobs))
+    for unit in runs:
+        partial_path(unit).unlink(missing_ok=True)
     for settings, row in zip(plan, rows):
         lines.append(f"| {settings['needles']} | {args.queries} | {args.steps} | {row['accuracy']:.3f} | "
                      f"{row['val_loss']:.3f} |")

@@ -173,14 +173,49 @@ def test_diffllama_differential_map_is_what_multiplies_v(tokenizer):
             f"layer {i}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}")
 
 
-def test_paper_small_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/paper_small.py --quick end to end at toy size: three models at equal parameters on identical data,
-    report and figures written; a missing text file is skipped, not an error; stored runs are reused when seeds are
-    added or another task's settings change."""
+def load_paper_small():
     path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
     spec = importlib.util.spec_from_file_location("paper_small", path)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatch):
+    """A run stopped after its first evaluation resumes from the saved training state and ends with the curve
+    (loss, accuracy) and attention figures of a run never stopped (exact: same ops in the same order on one thread)."""
+    benchmark = load_paper_small()
+    args = benchmark.parse_args(["--quick", "--steps", "6", "--curve-points", "3", "--examples", "24",
+                                 "--eval-samples", "1", "--output-dir", str(tmp_path / "out")])
+    unit = ("retrieval", "DIFF", 0, args.steps, args)
+    whole = benchmark.run_unit(unit)
+    benchmark.partial_path(unit).unlink()  # what run_or_load does once it stored the run
+    evaluate, calls = benchmark.evaluate, []
+
+    def evaluate_until(stop: int):
+        def counted(*a, **k):
+            calls.append(1)
+            if len(calls) == stop:
+                raise KeyboardInterrupt
+            return evaluate(*a, **k)
+        return counted
+
+    monkeypatch.setattr(benchmark, "evaluate", evaluate_until(stop=2))
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.run_unit(unit)
+    calls.clear()
+    monkeypatch.setattr(benchmark, "evaluate", evaluate_until(stop=0))
+    resumed = benchmark.run_unit(unit)
+    assert len(calls) == 2, f"the resumed run evaluated {len(calls)} times; from its first evaluation: 2"
+    assert resumed["curve"] == whole["curve"], f"{resumed['curve']} != {whole['curve']}"
+    assert (resumed["answer"], resumed["noise"]) == (whole["answer"], whole["noise"])
+
+
+def test_paper_small_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/paper_small.py --quick end to end at toy size: three models at equal parameters on identical data,
+    report and figures written; a missing text file is skipped, not an error; stored runs are reused when seeds are
+    added or another task's settings change."""
+    benchmark = load_paper_small()
     argv = ["--quick", "--steps", "4", "--curve-points", "2", "--examples", "24", "--eval-samples", "1",
             "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "out")]
     report = benchmark.main(argv)
