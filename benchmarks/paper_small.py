@@ -155,10 +155,11 @@ def lr_schedule(optimizer: torch.optim.Optimizer, kind: str, steps: int) -> torc
 
 
 def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int,
-          partial: Path | None = None) -> list:
+          partial: Path | None = None) -> tuple[list, float]:
     """AdamW with a warm-up schedule (`lr_schedule`); the batch order depends on the seed only, so every model sees it.
     At each evaluation the whole training state is saved to `partial`, and a run finding one there resumes from it
-    with the same result as if never stopped. Returns the evaluation curve [{step, val_loss, accuracy?}]."""
+    with the same result as if never stopped. Returns the evaluation curve [{step, val_loss, accuracy?}] and the
+    seconds spent training and evaluating, counted across stops."""
     train_data, val = data
     retrieval = task == "retrieval"
     batch_size, lr = (args.batch, args.lr) if retrieval else (args.text_batch, args.text_lr)
@@ -167,7 +168,8 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
     order = torch.Generator().manual_seed(seed)
     checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
     pad_id, parts = tokenizer.pad_token_id, {"model": model, "optimizer": optimizer, "schedule": schedule}
-    curve, first = resume(partial, parts, order) if partial is not None and partial.is_file() else ([], 1)
+    curve, first, seconds = resume(partial, parts, order) if partial is not None and partial.is_file() else ([], 1, 0)
+    start = time.monotonic() - seconds
     model.train()
     for step in range(first, steps + 1):
         batch = train_data[torch.randint(len(train_data), (batch_size,), generator=order)]
@@ -182,19 +184,21 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
             if partial is not None:
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({"step": step, "curve": curve, "order": order.get_state(),
+                            "seconds": time.monotonic() - start,
                             **{name: part.state_dict() for name, part in parts.items()}}, partial)
     model.eval()
-    return curve
+    return curve, time.monotonic() - start
 
 
-def resume(partial: Path, parts: dict, order: torch.Generator) -> tuple[list, int]:
-    """Load a stopped run's state into `parts` (model, optimizer, schedule) and `order`: (curve so far, next step)."""
+def resume(partial: Path, parts: dict, order: torch.Generator) -> tuple[list, int, float]:
+    """Load a stopped run's state into `parts` (model, optimizer, schedule) and `order`: (curve so far, next step,
+    seconds so far)."""
     state = torch.load(partial, weights_only=True)
     for name, part in parts.items():
         part.load_state_dict(state[name])
     order.set_state(state["order"])
     print(f"  resuming {partial.name} after step {state['step']}", flush=True)
-    return state["curve"], state["step"] + 1
+    return state["curve"], state["step"] + 1, state["seconds"]
 
 
 def noise_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
@@ -234,10 +238,9 @@ def run_unit(unit: tuple) -> dict:
     tokenizer, train_data, val = retrieval_data(args) if task == "retrieval" else text_data(args)
     set_seed(seed)
     model = build_models(len(tokenizer), args)[name].to(args.device)
-    start = time.monotonic()
-    curve = train(task, model, tokenizer, (train_data, val), args, seed, steps, partial_path(unit))
+    curve, seconds = train(task, model, tokenizer, (train_data, val), args, seed, steps, partial_path(unit))
     row = {"task": task, "model": name, "seed": seed, "steps": steps, "params": model.num_parameters(),
-           "data": data_digest(train_data), "curve": curve, **curve[-1], "seconds": time.monotonic() - start,
+           "data": data_digest(train_data), "curve": curve, **curve[-1], "seconds": seconds,
            "best_val_loss": min(p["val_loss"] for p in curve)}
     if task == "retrieval":
         row.update(noise_metrics(model, tokenizer, args))
@@ -395,7 +398,9 @@ def write_outputs(rows: list[dict], args: argparse.Namespace, seconds: float) ->
     args.output_dir.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
-              f"run time: {seconds / 60:.1f} min\n\n{summarize(rows)}")
+              f"run time: {seconds / 60:.1f} min for this call; the {len(rows)} runs, stored ones included, took "
+              f"{sum(r['seconds'] for r in rows) / 60:.1f} min of one process each\n\n"
+              f"{summarize(rows)}")
     (args.output_dir / "report.md").write_text(report)
     plain = [{k: v for k, v in r.items() if k != "figure"} for r in rows]
     (args.output_dir / "results.json").write_text(json.dumps({"settings": settings, "rows": plain}, indent=1))

@@ -183,7 +183,8 @@ def load_paper_small():
 
 def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatch):
     """A run stopped after its first evaluation resumes from the saved training state and ends with the curve
-    (loss, accuracy) and attention figures of a run never stopped (exact: same ops in the same order on one thread)."""
+    (loss, accuracy) and attention figures of a run never stopped (exact: same ops in the same order on one thread);
+    its run time counts the time spent before the stop."""
     benchmark = load_paper_small()
     args = benchmark.parse_args(["--quick", "--steps", "6", "--curve-points", "3", "--examples", "24",
                                  "--eval-samples", "1", "--output-dir", str(tmp_path / "out")])
@@ -204,8 +205,11 @@ def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         benchmark.run_unit(unit)
     calls.clear()
+    state = torch.load(benchmark.partial_path(unit), weights_only=True)
+    torch.save({**state, "seconds": 1000.0}, benchmark.partial_path(unit))  # time spent before the stop
     monkeypatch.setattr(benchmark, "evaluate", evaluate_until(stop=0))
     resumed = benchmark.run_unit(unit)
+    assert resumed["seconds"] > 1000.0, f"run time {resumed['seconds']:.1f}s leaves out the 1000s before the stop"
     assert len(calls) == 2, f"the resumed run evaluated {len(calls)} times; from its first evaluation: 2"
     assert resumed["curve"] == whole["curve"], f"{resumed['curve']} != {whole['curve']}"
     assert (resumed["answer"], resumed["noise"]) == (whole["answer"], whole["noise"])
