@@ -445,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", choices=("retrieval", "text"), default=["retrieval", "text"])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=3500, help="training steps of the retrieval runs")
+    parser.add_argument("--steps", type=int, default=5000, help="training steps of the retrieval runs")
     parser.add_argument("--batch", type=int, default=32, help="batch of the retrieval runs")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the retrieval runs")
     parser.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine", help="of the retrieval runs")
