@@ -155,7 +155,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, kind: str, steps: int) -> torc
 
 
 def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, seed: int, steps: int,
-          partial: Path | None = None) -> tuple[list, float]:
+          partial: Path) -> tuple[list, float]:
     """AdamW with a warm-up schedule (`lr_schedule`); the batch order depends on the seed only, so every model sees it.
     At each evaluation the whole training state is saved to `partial`, and a run finding one there resumes from it
     with the same result as if never stopped. Returns the evaluation curve [{step, val_loss, accuracy?}] and the
@@ -168,7 +168,7 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
     order = torch.Generator().manual_seed(seed)
     checkpoints = {round(steps * (i + 1) / args.curve_points) for i in range(args.curve_points)}
     pad_id, parts = tokenizer.pad_token_id, {"model": model, "optimizer": optimizer, "schedule": schedule}
-    curve, first, seconds = resume(partial, parts, order) if partial is not None and partial.is_file() else ([], 1, 0)
+    curve, first, seconds = resume(partial, parts, order) if partial.is_file() else ([], 1, 0)
     start = time.monotonic() - seconds
     model.train()
     for step in range(first, steps + 1):
@@ -181,13 +181,17 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
         if step in checkpoints:
             curve.append({"step": step, **evaluate(task, model, tokenizer, val, args, final=step == steps)})
             print(f"  {task} {type(model).__name__} seed {seed}: {curve[-1]}", flush=True)
-            if partial is not None:
-                partial.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"step": step, "curve": curve, "order": order.get_state(),
-                            "seconds": time.monotonic() - start,
-                            **{name: part.state_dict() for name, part in parts.items()}}, partial)
+            save_state(partial, parts, order, {"step": step, "curve": curve, "seconds": time.monotonic() - start})
     model.eval()
     return curve, time.monotonic() - start
+
+
+def save_state(partial: Path, parts: dict, order: torch.Generator, progress: dict) -> None:
+    """Save a run's whole training state: `parts` (model, optimizer, schedule), the batch order and `progress`
+    (step, curve, seconds), for `resume`."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**progress, "order": order.get_state(), **{name: part.state_dict() for name, part in parts.items()}},
+               partial)
 
 
 def resume(partial: Path, parts: dict, order: torch.Generator) -> tuple[list, int, float]:
