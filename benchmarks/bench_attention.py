@@ -136,7 +136,7 @@ def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--batch", type=int, default=1)
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.seqs, args.heads, args.kv_heads, args.head_dim, args.repeats = [256], 2, 2, 16, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     config = DiffConfig(hidden_size=2 * args.heads * args.head_dim, num_attention_heads=args.heads,
                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, num_hidden_layers=1)

@@ -147,7 +147,7 @@ def resident_peak_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status: peak CPU memory needs Linux")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
@@ -158,11 +158,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=[*MODELS, "diff-diff_flash"],
+                        help="diff-diff_flash (the fused Triton kernel) needs a CUDA GPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="hidden 256, 2 layers, seq 256, 2 repeats")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.intermediate, args.seq, args.repeats, args.new_tokens = 256, 2, 688, 256, 2, 32
     return args

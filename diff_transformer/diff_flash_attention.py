@@ -32,9 +32,18 @@ GQA: query head j reads kv head j // (h // h_kv) in both branches.
 causal=True is bottom-right aligned: query i may attend key j iff j <= i + S - T.
 A fully masked query row gives output 0 and zero gradients.
 
+Tiles: each kernel has a tile (BLOCK_M, BLOCK_N, warps, stages) per GPU target, head dims and dtype (`tile_config`),
+chosen to fit the target's shared memory without spilling registers; the dK/dV kernel computes its tiles key-major
+so that BLOCK_N is the M dimension of all its products (wgmma on sm_90 needs M >= 64). `unfit_reason` says when
+inputs have no tile on a device, so that the caller can run standard attention instead.
+
 Set TRITON_INTERPRET=1 before importing this module (and triton) to run the kernels on CPU: slow, for tests.
+
+Caution: the tiles are compiled and fit-checked for sm_80, sm_86, sm_89 and sm_90 without a GPU, and run under the
+interpreter on CPU, but not yet timed on the devices; GPUs newer than sm_90 run the sm_80 or sm_86 tiles untested.
 """
 
+import functools
 import math
 import os
 
@@ -53,7 +62,7 @@ else:
 # Triton decides at decoration time whether @triton.jit functions are interpreted, so read the flag once here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HEAD_DIMS = (16, 32, 64, 128)
-_VALUE_DIMS = (16, 32, 64, 128, 256)
+KERNELS = ("fwd", "dq", "dkdv")  # the forward, the dQ backward and the dK/dV backward, in the order of `_TILES`
 
 
 def triton_available() -> tuple[bool, str]:
@@ -75,11 +84,12 @@ if triton is not None:
     _DOT_IN_FP32 = tl.constexpr(_INTERPRET)
 
     @triton.jit
-    def _dot(a, b):
+    def _dot(a, b, acc=None):
+        """a @ b, accumulated into acc when given."""
         if _DOT_IN_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
 
     @triton.jit
     def _load_rows(ptr, offs_rows, offs_cols, n_rows, stride_row, stride_col):
@@ -129,15 +139,15 @@ if triton is not None:
         return lse1, lse2, delta1, tl.load(Delta2 + row + offs_m, mask=in_range, other=0.0)
 
     @triton.jit
-    def _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms,
-                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
-        """[BLOCK_M, BLOCK_N] bool: query offs_m may attend key offs_n."""
-        allowed = (offs_m[:, None] < T) & (offs_n[None, :] < S)
+    def _allowed(q_idx, k_idx, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+        """Bool tile: query q_idx may attend key k_idx. Both index tensors are broadcast to the tile's shape, so
+        either the queries (offs_m[:, None], offs_n[None, :]) or the keys may index its rows."""
+        allowed = (q_idx < T) & (k_idx < S)
         if HAS_MASK:
-            ptrs = mask_ptr + offs_m[:, None] * stride_mt + offs_n[None, :] * stride_ms
+            ptrs = mask_ptr + q_idx * stride_mt + k_idx * stride_ms
             allowed = allowed & (tl.load(ptrs, mask=allowed, other=0) != 0)
         elif CAUSAL:
-            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+            allowed = allowed & (k_idx <= q_idx + (S - T))
         return allowed
 
     @triton.jit
@@ -149,7 +159,7 @@ if triton is not None:
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         return m_new, l, acc
 
     @triton.jit
@@ -160,17 +170,25 @@ if triton is not None:
         return acc / l_safe[:, None], tl.where(empty, float("inf"), m + tl.log2(l_safe))
 
     @triton.jit
-    def _probs_and_score_grads(q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale):
+    def _probs_and_score_grads(q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale,
+                               KEY_MAJOR: tl.constexpr):
         """Both probability tiles and the gradients of the (unscaled-by-log2e) scores, FlashAttention-2 style.
 
         Branch 1 sees dO, branch 2 sees -lam * dO, so both share dP = dO V^T:
         dS1 = P1 * (dP - D1) and dS2 = -lam * P2 * (dP - D2), with D_b = rowsum(dO * O_b).
+        [BLOCK_M, BLOCK_N]; KEY_MAJOR: transposed, [BLOCK_N, BLOCK_M], so that the key-side products that follow
+        (dV += P^T dO, dK_b += dS_b^T Q_b) take the tiles as they are, with BLOCK_N as their M dimension.
         """
-        p1 = tl.where(allowed, tl.exp2(_dot(q1, tl.trans(k1)) * qk_scale - lse1[:, None]), 0.0)
-        p2 = tl.where(allowed, tl.exp2(_dot(q2, tl.trans(k2)) * qk_scale - lse2[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v))
-        ds1 = p1 * (dp - delta1[:, None])
-        ds2 = -lam * p2 * (dp - delta2[:, None])
+        if KEY_MAJOR:
+            s1, s2, dp = _dot(k1, tl.trans(q1)), _dot(k2, tl.trans(q2)), _dot(v, tl.trans(do))
+            lse1, lse2, delta1, delta2 = lse1[None, :], lse2[None, :], delta1[None, :], delta2[None, :]
+        else:
+            s1, s2, dp = _dot(q1, tl.trans(k1)), _dot(q2, tl.trans(k2)), _dot(do, tl.trans(v))
+            lse1, lse2, delta1, delta2 = lse1[:, None], lse2[:, None], delta1[:, None], delta2[:, None]
+        p1 = tl.where(allowed, tl.exp2(s1 * qk_scale - lse1), 0.0)
+        p2 = tl.where(allowed, tl.exp2(s2 * qk_scale - lse2), 0.0)
+        ds1 = p1 * (dp - delta1)
+        ds2 = -lam * p2 * (dp - delta2)
         return p1, p2, ds1, ds2
 
     @triton.jit
@@ -207,7 +225,7 @@ if triton is not None:
         for start_n in range(0, _key_end(start_m, T, S, BLOCK_M, CAUSAL, HAS_MASK), BLOCK_N):
             offs_n, k1, k2, v = _key_tile(K1 + k_off, K2 + k_off, v_ptr, start_n, S, stride_ks, stride_kd,
                                           stride_vs, stride_vd, HEAD_DIM, V_DIM, BLOCK_N)
-            allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
+            allowed = _allowed(offs_m[:, None], offs_n[None, :], T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
             m1, l1, acc1 = _online_softmax_step(q1, k1, v, allowed, m1, l1, acc1, qk_scale)
             m2, l2, acc2 = _online_softmax_step(q2, k2, v, allowed, m2, l2, acc2, qk_scale)
 
@@ -249,11 +267,11 @@ if triton is not None:
         for start_n in range(0, _key_end(start_m, T, S, BLOCK_M, CAUSAL, HAS_MASK), BLOCK_N):
             offs_n, k1, k2, v = _key_tile(K1 + k_off, K2 + k_off, v_ptr, start_n, S, stride_ks, stride_kd,
                                           stride_vs, stride_vd, HEAD_DIM, V_DIM, BLOCK_N)
-            allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
+            allowed = _allowed(offs_m[:, None], offs_n[None, :], T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
             _, _, ds1, ds2 = _probs_and_score_grads(
-                q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)
-            dq1 += _dot(ds1.to(k1.dtype), k1)
-            dq2 += _dot(ds2.to(k2.dtype), k2)
+                q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale, False)
+            dq1 = _dot(ds1.to(k1.dtype), k1, dq1)
+            dq2 = _dot(ds2.to(k2.dtype), k2, dq2)
 
         offs_d = tl.arange(0, HEAD_DIM)
         _store_rows(DQ1 + row * HEAD_DIM, dq1 * scaling, offs_m, offs_d, T, HEAD_DIM)
@@ -299,12 +317,13 @@ if triton is not None:
                 q1, q2 = _load_pair(Q1 + q_off, Q2 + q_off, offs_m, offs_d, T, stride_qt, stride_qd)
                 do = _load_rows(do_ptr, offs_m, offs_v, T, stride_dot, stride_dod)
                 lse1, lse2, delta1, delta2 = _row_stats(Lse1, Lse2, Delta1, Delta2, row, offs_m, T)
-                allowed = _allowed(offs_m, offs_n, T, S, mask_ptr, stride_mt, stride_ms, CAUSAL, HAS_MASK)
-                p1, p2, ds1, ds2 = _probs_and_score_grads(
-                    q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale)
-                dv += _dot(tl.trans(p1 - lam * p2).to(do.dtype), do)  # (P1 - lam P2)^T dO
-                dk1 += _dot(tl.trans(ds1).to(q1.dtype), q1)
-                dk2 += _dot(tl.trans(ds2).to(q2.dtype), q2)
+                allowed = _allowed(offs_m[None, :], offs_n[:, None], T, S, mask_ptr, stride_mt, stride_ms,
+                                   CAUSAL, HAS_MASK)  # [BLOCK_N, BLOCK_M]
+                p1, p2, ds1, ds2 = _probs_and_score_grads(  # each [BLOCK_N, BLOCK_M]
+                    q1, q2, k1, k2, v, do, lse1, lse2, delta1, delta2, allowed, lam, qk_scale, True)
+                dv = _dot((p1 - lam * p2).to(do.dtype), do, dv)  # += (P1 - lam P2)^T dO
+                dk1 = _dot(ds1.to(q1.dtype), q1, dk1)
+                dk2 = _dot(ds2.to(q2.dtype), q2, dk2)
 
         row_kv = bh_kv * S  # DK1, DK2, DV are contiguous [B, H_KV, S, *]
         _store_rows(DK1 + row_kv * HEAD_DIM, dk1 * scaling, offs_n, offs_d, S, HEAD_DIM)
@@ -312,16 +331,194 @@ if triton is not None:
         _store_rows(DV + row_kv * V_DIM, dv, offs_n, offs_v, S, V_DIM)
 
 
-def _tile_config(v_dim: int) -> tuple[int, int, dict]:
-    """(BLOCK_M, BLOCK_N, launch options): tiny tiles under the interpreter; on GPU the two fp32 accumulators
-    of width dv per query row bound the tile size. fp32 inputs are multiplied in full fp32 (no TF32), like eager;
-    the option changes nothing for fp16/bf16 inputs."""
-    options = dict(default_dot_input_precision="ieee")
+# Per-block shared memory (the opt-in maximum, bytes) of the targets the tiles below are compiled and checked for
+# ahead of time: sm_80 (A100, A800; also sm_87), sm_86 and sm_89 (A10, A40, L4, L40, RTX 30xx/40xx), sm_90 (H100,
+# H200). A GPU runs the tiles of the first target whose family it belongs to (`device_target`).
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# fp32 inputs are multiplied in full fp32 (no TF32), like eager; the option changes nothing for fp16/bf16 inputs.
+LAUNCH_OPTIONS = dict(default_dot_input_precision="ieee")
+# Under TRITON_INTERPRET=1: the compute capability whose tiles the interpreter runs (e.g. 90), to test the shapes a
+# GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
+INTERPRETER_TARGET: int | None = None
+
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# _TILES[dtype bytes][target][(d, dv)] = the tiles of (fwd, dq, dkdv). Every entry compiles for its target in every
+# masking mode, fits its shared memory and spills no register. Chosen for that, then (on sm_90) for wgmma's M >= 64
+# in every product where a tile that fits allows it, then for registers under 240, the largest tile and the deepest
+# pipeline. The tiles are fit-checked ahead of time, not yet timed on the devices.
+_TILES: dict[int, dict[int, dict[tuple[int, int], tuple[Tile, Tile, Tile]]]] = {
+    2: {  # fp16 and bf16
+        80: {
+            (16, 16): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3)),
+            (16, 32): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3)),
+            (32, 32): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3)),
+            (32, 64): ((128, 32, 8, 3), (128, 32, 8, 2), (16, 64, 8, 3)),
+            (64, 64): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3)),
+            (64, 128): ((128, 32, 8, 3), (64, 32, 8, 3), (64, 32, 8, 3)),
+            (128, 128): ((32, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)),
+            (128, 256): ((32, 64, 8, 1), (64, 32, 8, 1), (32, 32, 8, 2)),
+        },
+        86: {
+            (16, 16): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2)),
+            (16, 32): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2)),
+            (32, 32): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2)),
+            (32, 64): ((128, 32, 8, 2), (128, 32, 8, 2), (16, 64, 4, 2)),
+            (64, 64): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2)),
+            (64, 128): ((64, 32, 8, 3), (64, 32, 8, 2), (64, 32, 8, 2)),
+            (128, 128): ((32, 64, 8, 2), (64, 64, 8, 1), (32, 64, 8, 1)),
+            (128, 256): ((32, 64, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2)),
+        },
+        90: {
+            (16, 16): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+            (16, 32): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+            (32, 32): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+            (32, 64): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+            (64, 64): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+            (64, 128): ((128, 32, 8, 3), (128, 64, 8, 3), (16, 128, 8, 3)),
+            (128, 128): ((128, 32, 8, 3), (128, 32, 8, 3), (16, 64, 8, 3)),
+            (128, 256): ((64, 32, 8, 3), (128, 32, 8, 2), (16, 64, 8, 2)),
+        },
+    },
+    4: {  # fp32
+        80: {
+            (16, 16): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+            (16, 32): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+            (32, 32): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+            (32, 64): ((32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 8, 2)),
+            (64, 64): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+            (64, 128): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+            (128, 128): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
+            (128, 256): ((32, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 1)),
+        },
+        86: {
+            (16, 16): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+            (16, 32): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+            (32, 32): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+            (32, 64): ((32, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 1)),
+            (64, 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+            (64, 128): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+            (128, 128): ((32, 32, 8, 2), (32, 32, 8, 1), (16, 32, 8, 2)),
+            (128, 256): ((32, 32, 8, 1), (16, 32, 4, 1), (16, 16, 8, 1)),
+        },
+        90: {
+            (16, 16): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
+            (16, 32): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
+            (32, 32): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
+            (32, 64): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
+            (64, 64): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 1)),
+            (64, 128): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
+            (128, 128): ((64, 32, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2)),
+            (128, 256): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
+        },
+    },
+}
+# Where a padding mask's extra registers need a smaller tile than `_TILES` gives: [dtype bytes][target][(d, dv)]
+# = {kernel: tile}.
+_MASKED_TILES: dict[int, dict[int, dict[tuple[int, int], dict[str, Tile]]]] = {
+    2: {
+        80: {
+            (16, 16): {"dkdv": (64, 32, 8, 1)},
+            (16, 32): {"fwd": (128, 32, 8, 2), "dkdv": (64, 32, 4, 1)},
+            (32, 32): {"dkdv": (16, 64, 4, 3)},
+            (32, 64): {"dkdv": (16, 64, 4, 3)},
+            (64, 64): {"dq": (128, 32, 8, 1)},
+            (64, 128): {"fwd": (64, 64, 8, 3), "dq": (32, 32, 4, 2), "dkdv": (64, 32, 8, 1)},
+            (128, 128): {"dq": (64, 64, 8, 2), "dkdv": (64, 32, 8, 1)},
+        },
+        86: {
+            (16, 16): {"dkdv": (64, 32, 8, 1)},
+            (16, 32): {"dkdv": (64, 32, 4, 1)},
+            (32, 32): {"dkdv": (16, 64, 4, 2)},
+            (64, 64): {"dq": (128, 32, 8, 1)},
+            (64, 128): {"dq": (128, 32, 8, 1), "dkdv": (64, 32, 8, 1)},
+        },
+        90: {
+            (64, 64): {"dkdv": (32, 128, 8, 2)},
+            (128, 256): {"dkdv": (32, 32, 8, 2)},
+        },
+    },
+    4: {
+        80: {
+            (32, 64): {"dq": (32, 32, 8, 1)},
+            (128, 256): {"dkdv": (16, 16, 8, 1)},
+        },
+        86: {
+            (32, 64): {"dkdv": (16, 32, 8, 2)},
+        },
+        90: {
+            (128, 256): {"fwd": (64, 32, 8, 2), "dkdv": (16, 16, 8, 1)},
+        },
+    },
+}
+
+
+def _dims_supported(head_dim: int, value_dim: int) -> bool:
+    return head_dim in _HEAD_DIMS and value_dim in (head_dim, 2 * head_dim)
+
+
+def _dims_reason(head_dim: int, value_dim: int) -> str:
+    return f"head dims d={head_dim}, dv={value_dim}: the kernel takes d in {_HEAD_DIMS} with dv = d or 2d"
+
+
+def tile_config(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype | str, target: int,
+                masked: bool = False) -> Tile | None:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv") for target `target` (a compute
+    capability of SHARED_MEMORY), with or without a mask, or None when no tile of these dims fits it: dv must be d
+    or 2d."""
+    if not _dims_supported(head_dim, value_dim):
+        return None
+    size = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
+    family = 86 if target == 89 else target
+    tiles = _TILES[size].get(family, {}).get((head_dim, value_dim))
+    if tiles is None:
+        return None
+    smaller = _MASKED_TILES[size].get(family, {}).get((head_dim, value_dim), {}).get(kernel) if masked else None
+    return smaller or tiles[KERNELS.index(kernel)]
+
+
+@functools.cache
+def device_target(index: int) -> int | None:
+    """The target of SHARED_MEMORY whose tiles CUDA device `index` runs, or None when it has none: Hopper runs sm_90's;
+    other GPUs of compute capability 8.0 or newer the sm_80 or the sm_86 tiles, whichever shared memory allows."""
+    major, _ = torch.cuda.get_device_capability(index)
+    shared = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    if major == 9:
+        return 90
+    if major >= 8:
+        return next((target for target in (80, 86) if shared >= SHARED_MEMORY[target]), None)
+    return None
+
+
+def _tiles(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device,
+           masked: bool = False) -> Tile | None:
+    """What runs on `device`: the table's tile, 16 x 16 tiles under the interpreter unless INTERPRETER_TARGET says."""
     if _INTERPRET:
-        return 16, 16, options
-    if v_dim <= 128:
-        return 64, 64, dict(options, num_warps=4)
-    return 64, 32, dict(options, num_warps=8)
+        if INTERPRETER_TARGET is None:
+            return (16, 16, 4, 1) if _dims_supported(head_dim, value_dim) else None
+        return tile_config(kernel, head_dim, value_dim, dtype, INTERPRETER_TARGET, masked)
+    target = device_target(device.index if device.index is not None else torch.cuda.current_device())
+    return None if target is None else tile_config(kernel, head_dim, value_dim, dtype, target, masked)
+
+
+def unfit_reason(head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> str:
+    """Why diff_flash has no tile for these dims on `device` ("" when every kernel has one): the caller routes such
+    inputs to standard attention instead of letting Triton fail for lack of shared memory mid-training."""
+    if not _dims_supported(head_dim, value_dim):
+        return _dims_reason(head_dim, value_dim)
+    runs_here = triton is not None and (_INTERPRET or device.type == "cuda")  # else the kernel says why it can't
+    if not runs_here or all(_tiles(kernel, head_dim, value_dim, dtype, device) for kernel in KERNELS):
+        return ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"the sm_{INTERPRETER_TARGET} tiles"
+    return f"{dtype} at d={head_dim}, dv={value_dim} on {name}: no tile fits its shared memory and registers"
+
+
+def _checked_tiles(kernel: str, head_dim: int, value_dim: int, like: Tensor, masked: bool) -> Tile:
+    tile = _tiles(kernel, head_dim, value_dim, like.dtype, like.device, masked)
+    if tile is None:
+        raise ValueError(f"diff_flash_attention cannot run "
+                         f"{unfit_reason(head_dim, value_dim, like.dtype, like.device)}; check `unfit_reason` first "
+                         "and use standard attention for such inputs (the model does this by itself)")
+    return tile
 
 
 def _paired(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -350,8 +547,8 @@ def _check_inputs(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor) -> 
                          f"k2 {tuple(k2.shape)}, v {tuple(v.shape)}")
     if h % h_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
-    if d not in _HEAD_DIMS or dv not in _VALUE_DIMS:
-        raise ValueError(f"head dim d must be one of {_HEAD_DIMS} and dv one of {_VALUE_DIMS}; got d={d}, dv={dv}")
+    if not _dims_supported(d, dv):
+        raise ValueError(_dims_reason(d, dv))
 
 
 def _mask_args(mask: Tensor | None, shape: tuple[int, int, int, int], like: Tensor) -> tuple[Tensor, tuple, bool]:
@@ -373,7 +570,7 @@ class _DiffFlashAttention(torch.autograd.Function):
         _, h_kv, S, dv = v.shape
         lam32 = lam.detach().to(device=q1.device, dtype=torch.float32).reshape(())
         mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-        block_m, block_n, options = _tile_config(dv)
+        block_m, block_n, warps, stages = _checked_tiles("fwd", d, dv, q1, has_mask)
 
         out = torch.empty(B, h, T, dv, dtype=q1.dtype, device=q1.device)
         o2 = torch.empty_like(out)
@@ -383,8 +580,8 @@ class _DiffFlashAttention(torch.autograd.Function):
             q1, q2, k1, k2, v, lam32, mask_t, out, o2, lse1, lse2,
             *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
             h, T, S, h // h_kv, scaling * math.log2(math.e),
-            HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-            CAUSAL=causal, HAS_MASK=has_mask, **options,
+            HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
+            num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
         )
         ctx.save_for_backward(q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
@@ -401,24 +598,26 @@ class _DiffFlashAttention(torch.autograd.Function):
         delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
         grad_lam = -delta2.sum()
         mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-        block_m, block_n, options = _tile_config(dv)
-        common = dict(HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-                      CAUSAL=ctx.causal, HAS_MASK=has_mask, **options)
+        common = dict(HEAD_DIM=d, V_DIM=dv, CAUSAL=ctx.causal, HAS_MASK=has_mask, **LAUNCH_OPTIONS)
         strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
         qk_scale = ctx.scaling * math.log2(math.e)
 
         dq1 = torch.empty(B, h, T, d, dtype=q1.dtype, device=q1.device)
         dq2 = torch.empty_like(dq1)
+        block_m, block_n, warps, stages = _checked_tiles("dq", d, dv, q1, has_mask)
         _diff_attn_bwd_dq[(triton.cdiv(T, block_m), B * h)](
             q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dq1, dq2,
-            *strides, h, T, S, h // h_kv, qk_scale, ctx.scaling, **common,
+            *strides, h, T, S, h // h_kv, qk_scale, ctx.scaling,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
         )
         dk1 = torch.empty(B, h_kv, S, d, dtype=k1.dtype, device=k1.device)
         dk2 = torch.empty_like(dk1)
         grad_v = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
+        block_m, block_n, warps, stages = _checked_tiles("dkdv", d, dv, q1, has_mask)
         _diff_attn_bwd_dkdv[(triton.cdiv(S, block_n), B * h_kv)](
             q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, grad_v,
-            *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling, **common,
+            *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
         )
         return dq1, dq2, dk1, dk2, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
 

@@ -70,12 +70,15 @@ except ImportError:  # older transformers (5.17) slice inline in each model, as 
 
 
 try:
-    from .diff_flash_attention import diff_flash_attention, triton_available
+    from .diff_flash_attention import diff_flash_attention, triton_available, unfit_reason
 except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
     diff_flash_attention = None
 
     def triton_available() -> tuple[bool, str]:
         return False, "the diff_flash kernel module could not be imported; use attn_implementation='sdpa'"
+
+    def unfit_reason(head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> str:
+        return ""
 
 
 FUSED_IMPLEMENTATION = "diff_flash"
@@ -338,7 +341,14 @@ DIFF_KERNELS: dict[str, Callable] = {
 
 def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
-    torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard."""
+    torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
+    or a GPU that `diff_flash` has no tile for make the standard calls too, with a warning."""
+    if implementation == FUSED_IMPLEMENTATION:
+        reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
+        if reason:
+            warnings.warn(f"{FUSED_IMPLEMENTATION} cannot run {reason}; these layers make two standard attention "
+                          "calls instead", stacklevel=2)
+            return "standard_calls"
     if implementation in ("eager", FUSED_IMPLEMENTATION):
         return implementation
     if implementation != "sdpa" or is_torchdynamo_compiling():

@@ -1,7 +1,8 @@
 """The fused Triton differential attention kernel against the naive float64 reference.
 
 Without a GPU the kernels run on CPU under the Triton interpreter (TRITON_INTERPRET=1); shapes are tiny
-because it is slow.
+because it is slow. `test_gpu_tiles_match_reference` runs the paper's head dims with the tiles a GPU runs
+(the interpreter takes them from `INTERPRETER_TARGET`; a GPU runs its own).
 """
 
 import os
@@ -17,6 +18,7 @@ pytest.importorskip("triton")
 
 from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn  # noqa: E402
 
+import diff_transformer.diff_flash_attention as kernels  # noqa: E402
 from diff_transformer.diff_flash_attention import diff_flash_attention, triton_available  # noqa: E402
 from diff_transformer.naive_diff_attention import naive_diff_attention  # noqa: E402
 
@@ -64,6 +66,27 @@ def test_kernel_matches_reference(case: Case, dtype: torch.dtype):
         assert empty.any()
         for name in ("out", "dq1", "dq2"):
             assert (got[name].transpose(1, 2)[empty] == 0).all(), f"{name} is not zero on fully masked rows"
+
+
+# d = 64 and 128 with the tiles each GPU target runs (sm_XX: the target whose tiles the interpreter runs); T and S
+# span several tiles and end inside one.
+GPU_TILE_CASES = [
+    *[(case, target) for target in (80, 86, 90) for case in (
+        Case(1, 80, 80, 4, 2, 64),  # GQA, causal
+        Case(2, 40, 72, 2, 1, 128, attn="padmask", packed=True),  # paper head size, chunked prefill with padding
+        Case(1, 1, 70, 4, 2, 128, packed=True),  # decode step
+    )],
+    (Case(1, 72, 72, 2, 2, 64, DV=64, attn="full"), 80),  # MHA, dv = d, no causality
+    (Case(1, 70, 70, 4, 1, 128, DV=128), 90),  # n_rep = 4, dv = d
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda dt: str(dt).removeprefix("torch."))
+@pytest.mark.parametrize(("case", "target"), GPU_TILE_CASES,
+                         ids=lambda x: x.id if isinstance(x, Case) else f"sm_{x}-tiles")
+def test_gpu_tiles_match_reference(case: Case, target: int, dtype: torch.dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETER_TARGET", target)
+    check_kernel(case, dtype)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c.id)
