@@ -4,16 +4,16 @@ import copy
 import difflib
 import math
 import os
-from contextvars import ContextVar
 
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 ATTENTION_TYPES = ("differential", "standard")
-# Set while a saved config is read: its extra keys (other tools add some, e.g. transformers' tests add `*_eps` fields)
-# are kept as transformers keeps them; only a DiffConfig built in code gets the typo check.
-LOADING_SAVED = ContextVar("diff_config_loading_saved", default=False)
+# The private keyword `from_dict` passes: a saved config's extra keys (other tools add some, e.g. transformers' tests
+# add `*_eps` fields) are kept as transformers keeps them; only a DiffConfig built in code gets the typo check. A
+# keyword, not module state, so that the class pickles by value (vLLM ships remote-code configs so) and nests.
+LOADING_SAVED = "_loading_saved"
 # keyword arguments PreTrainedConfig itself consumes, which may look like one of our fields
 BASE_KWARGS = {"output_attentions", "attn_implementation", "experts_implementation", "name_or_path", "torch_dtype"}
 
@@ -140,7 +140,7 @@ class DiffConfig(PreTrainedConfig):
     attention_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
-        if not LOADING_SAVED.get():
+        if not kwargs.pop(LOADING_SAVED, False):
             self.check_unknown(kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -163,11 +163,7 @@ class DiffConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DiffConfig":
         """transformers' `from_dict`, without the typo check on the saved keys (`LOADING_SAVED`)."""
-        token = LOADING_SAVED.set(True)
-        try:
-            return super().from_dict(config_dict, **kwargs)
-        finally:
-            LOADING_SAVED.reset(token)
+        return super().from_dict({**config_dict, LOADING_SAVED: True}, **kwargs)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:

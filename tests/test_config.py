@@ -1,0 +1,61 @@
+"""DiffConfig as other tools handle it (issue #33): pickled by value as vLLM ships remote-code configs to its workers."""
+
+import pickle
+import subprocess
+import sys
+import types
+
+import pytest
+from reference import tiny_config
+
+from diff_transformer import DiffConfig
+from diff_transformer import configuration_diff
+
+# A worker that cannot import diff_transformer: the class it unpickles must have come by value.
+LOAD_WITHOUT_PACKAGE = """
+import pickle, sys
+sys.modules["diff_transformer"] = None
+cls, config = pickle.loads(sys.stdin.buffer.read())
+built = cls(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2)
+print(cls.__name__, config.num_hidden_layers, config.attention_types, built.head_dim)
+"""
+
+
+def test_instance_pickles():
+    config = tiny_config(attention_types=["differential", "standard"], lambda_init=0.3)
+    loaded = pickle.loads(pickle.dumps(config))
+    assert loaded.to_dict() == config.to_dict(), "a pickled DiffConfig comes back with other fields"
+
+
+def test_module_state_pickles():
+    """cloudpickle pickles the class by value with every module-level value its methods read."""
+    for name, value in vars(configuration_diff).items():
+        if not name.startswith("__") and not isinstance(value, types.ModuleType):
+            try:
+                pickle.dumps(value)
+            except TypeError as error:
+                pytest.fail(f"configuration_diff.{name} does not pickle ({error}): the class cannot ship by value")
+
+
+def test_class_pickles_by_value():
+    cloudpickle = pytest.importorskip("cloudpickle")
+    cloudpickle.register_pickle_by_value(configuration_diff)
+    try:
+        blob = cloudpickle.dumps((DiffConfig, tiny_config(lambda_init=0.3)))
+    finally:
+        cloudpickle.unregister_pickle_by_value(configuration_diff)
+    result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PACKAGE], input=blob, capture_output=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().split() == ["DiffConfig", "2", "['differential',", "'differential']", "4"], result
+
+
+def test_typo_check_after_a_load(tmp_path):
+    """The saved-keys exemption holds for that load only: a config built in code afterwards is checked again."""
+    saved = tiny_config()
+    saved.batch_norm_eps = 1e-5
+    saved.save_pretrained(tmp_path)
+    assert DiffConfig.from_pretrained(tmp_path).batch_norm_eps == 1e-5
+    with pytest.raises(ValueError, match="unknown field 'num_heads'"):
+        DiffConfig(num_heads=4)
+    assert not hasattr(DiffConfig.from_pretrained(tmp_path), configuration_diff.LOADING_SAVED)
