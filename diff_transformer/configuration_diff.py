@@ -159,6 +159,8 @@ class DiffConfig(PreTrainedConfig):
         if self.diff_version == 2:
             self.base_model_tp_plan = V2_TP_PLAN  # an instance attribute; transformers never serializes the plan
         super().__post_init__(**kwargs)
+        # transformers' rope checks (a bad `factor` warns), which `@strict` runs after init for LlamaConfig
+        self.validate_rope()
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DiffConfig":
