@@ -4,6 +4,8 @@ import copy
 import difflib
 import math
 import os
+import types
+import typing
 
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
@@ -51,6 +53,34 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
     ignored = BASE_KWARGS | set(GenerationConfig._get_default_generation_params())
     matches = {key: difflib.get_close_matches(key, fields, n=2, cutoff=0.6) for key in kwargs if key not in ignored}
     return {key: found for key, found in matches.items() if found and not key.startswith("_")}
+
+
+def has_type(value: object, annotation: object) -> bool:
+    """Whether `value` fits a field's annotation, as JSON writes it: a float field takes a finite int or float, an int
+    field no bool. Annotations other than scalars, lists and unions (`RopeParameters`) are transformers' to check."""
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (str, bool, type(None)):
+        return isinstance(value, annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(has_type(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(has_type(item, args[0]) for item in value)
+    return True
+
+
+def type_name(annotation: object) -> str:
+    """`int | list[int] | None` -> "an int or a list of int or None"."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(map(type_name, typing.get_args(annotation)))
+    if typing.get_origin(annotation) is list:
+        return f"a list of {typing.get_args(annotation)[0].__name__}"
+    names = {int: "an int", float: "a finite float", type(None): "None"}
+    return names.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
+
 
 # Tensor parallelism (`tp_plan="auto"`): rank r of n holds whole heads [r h/n, (r+1) h/n), i.e. both branches' q/k rows
 # of them in a V1 layer ("diff_colwise", diff_tensor_parallel.py), their kv heads' v rows and their o_proj columns;
@@ -140,8 +170,10 @@ class DiffConfig(PreTrainedConfig):
     attention_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
-        if not kwargs.pop(LOADING_SAVED, False):
+        saved = kwargs.pop(LOADING_SAVED, False)
+        if not saved:
             self.check_unknown(kwargs)
+        self.check_types(saved)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -177,13 +209,28 @@ class DiffConfig(PreTrainedConfig):
         check_model_type(config_dict, pretrained_model_name_or_path)
         return config_dict, kwargs
 
+    @staticmethod
+    def own_fields() -> dict[str, object]:
+        """DiffConfig's fields (not PreTrainedConfig's) and their annotations."""
+        return {name: kind for name, kind in DiffConfig.__annotations__.items() if not name.startswith("_")}
+
     def check_unknown(self, kwargs: dict) -> None:
-        own = [name for name in DiffConfig.__annotations__ if not name.startswith("_") and name != "model_type"]
-        for key, matches in misspelled_fields(kwargs, own).items():
+        for key, matches in misspelled_fields(kwargs, list(self.own_fields())).items():
             self._check(
                 False,
                 f"unknown field {key!r}; did you mean {' or '.join(map(repr, matches))}? (transformers would keep "
                 "it as an unused attribute)",
+            )
+
+    def check_types(self, saved: bool) -> None:
+        """Refuse a field of the wrong type (`"num_hidden_layers": "two"` or `null` in config.json), which would
+        otherwise fail later with a TypeError or a misleading message."""
+        for name, annotation in self.own_fields().items():
+            value, expected = getattr(self, name), type_name(annotation)
+            self._check(
+                has_type(value, annotation),
+                f"{name} must be {expected}, got {value!r} ({type(value).__name__}); "
+                + ("fix it in config.json" if saved else f"pass {expected}"),
             )
 
     @staticmethod
@@ -194,8 +241,13 @@ class DiffConfig(PreTrainedConfig):
     def validate_diff(self) -> None:
         """Raise `ValueError` for field combinations the model cannot build."""
         check = self._check
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
-            check(getattr(self, name) > 0, f"{name} must be a positive integer")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "value_head_dim", "max_position_embeddings")
+        for name in sizes:
+            check(getattr(self, name) > 0, f"{name} must be a positive integer, got {getattr(self, name)}")
+        check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("initializer_range", "lambda_std_dev"):
+            check(getattr(self, name) >= 0, f"{name} is a standard deviation, so >= 0; got {getattr(self, name)}")
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
