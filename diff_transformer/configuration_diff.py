@@ -7,6 +7,7 @@ import os
 import types
 import typing
 
+from huggingface_hub.dataclasses import type_validator
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
@@ -56,20 +57,15 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
 
 
 def has_type(value: object, annotation: object) -> bool:
-    """Whether `value` fits a field's annotation, as JSON writes it: a float field takes a finite int or float, an int
-    field no bool. Annotations other than scalars, lists and unions (`RopeParameters`) are transformers' to check."""
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation in (str, bool, type(None)):
-        return isinstance(value, annotation)
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(has_type(value, arg) for arg in args)
-    if origin is list:
-        return isinstance(value, list) and all(has_type(item, args[0]) for item in value)
-    return True
+    """Whether `value` fits a field's annotation by huggingface_hub's check (the one transformers' `@strict` configs
+    run), except that a float field also takes an int, as JSON may write it, and a float must be finite."""
+    if isinstance(value, int) and not isinstance(value, bool) and float in (annotation, *typing.get_args(annotation)):
+        value = float(value)
+    try:
+        type_validator("", value, annotation)
+    except TypeError:
+        return False
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def type_name(annotation: object) -> str:
