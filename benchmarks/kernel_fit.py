@@ -4,8 +4,8 @@ Triton compiles for a named target on any machine (ttir -> ttgir -> ptx -> cubin
 wheel). For every kernel, target, head dim, dtype and masking mode this compiles the tiles `tile_config` ships and
 reads what decides whether the kernel runs and runs fast on that GPU: shared memory per block against the target's
 limit, registers and spilled bytes per thread (ptxas), and whether the PTX multiplies with Hopper's wgmma or with
-mma.sync. A row fails when the kernel does not compile, needs more shared memory than the target has, or spills; a row
-without a tile is one that diff_flash routes to the standard attention calls.
+mma.sync. A row fails when no tile ships for it, or the kernel does not compile, needs more shared memory than the
+target has, or spills.
 
     python benchmarks/kernel_fit.py                          # every shipped configuration, markdown table
     python benchmarks/kernel_fit.py --targets 80 --head-dims 128 --tile 64 32 8 3   # try one tile
@@ -27,10 +27,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+import diff_transformer.diff_flash_attention as kernels
+
 TARGETS = (80, 86, 89, 90)
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("fp16", "bf16", "fp32")
-KERNELS = ("fwd", "dq", "dkdv")  # diff_flash_attention.KERNELS (not imported here: see `run`)
+KERNELS = kernels.KERNELS
 # The masking modes each kernel is compiled for: the ones whose compiled code differs. "decode" (T = 1) and "mha"
 # (one query head per kv head) differ because Triton specialises integer arguments equal to 1.
 MODES = {"fwd": ("causal", "padmask", "decode"), "dq": ("causal", "padmask"), "dkdv": ("causal", "padmask", "mha")}
@@ -85,15 +87,13 @@ def compile_variant(variant: Variant) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import diff_transformer.diff_flash_attention as kernels
-
     dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[variant.dtype]
     tile = variant.tile or kernels.tile_config(variant.kernel, variant.head_dim, variant.value_dim, dtype,
                                                variant.target, masked=variant.mode == "padmask")
     row = dict(asdict(variant), tile=None, warps=None, stages=None, registers=None, spill_bytes=None, shared=None,
-               shared_limit=kernels.SHARED_MEMORY[variant.target], mma=None, routed=tile is None, error=None)
-    if tile is None:  # diff_flash routes these inputs to the standard calls
-        return row
+               shared_limit=kernels.SHARED_MEMORY[variant.target], mma=None, error=None)
+    if tile is None:
+        return dict(row, error="no tile ships for these dims on this target")
     block_m, block_n, warps, stages = tile
     row.update(tile=f"{block_m}x{block_n}", warps=warps, stages=stages)
     fn = getattr(kernels, f"_diff_attn_{'fwd' if variant.kernel == 'fwd' else 'bwd_' + variant.kernel}")
@@ -133,11 +133,12 @@ def run(todo: list[Variant], jobs: int) -> list[dict]:
     """Compile every variant in `jobs` processes with a private Triton cache, so ptxas runs and reports."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_fit: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_fit_")
-    if jobs == 1:
-        return [compile_variant(variant) for variant in todo]
-    with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(compile_variant, todo, chunksize=4))
+    with tempfile.TemporaryDirectory(prefix="kernel_fit_") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        if jobs == 1:
+            return [compile_variant(variant) for variant in todo]
+        with ProcessPoolExecutor(jobs) as pool:
+            return list(pool.map(compile_variant, todo, chunksize=4))
 
 
 def table(rows: list[dict]) -> str:
@@ -148,7 +149,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['kernel']} | sm_{r['target']} | {r['head_dim']}/{r['value_dim']} | {r['dtype']} | "
                      f"{r['mode']} | {r['tile'] or ''} | {r['warps'] or ''} | {r['stages'] or ''} | "
                      f"{r['registers'] or ''} | {'' if r['spill_bytes'] is None else r['spill_bytes']} | {shared} | "
-                     f"{r['mma'] or ''} | {r['error'] or ('routed to the standard calls' if r['routed'] else 'ok')} |")
+                     f"{r['mma'] or ''} | {r['error'] or 'ok'} |")
     return "\n".join(lines)
 
 
@@ -172,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", shlex.join(["python", *sys.argv]))
     print(table(rows))
     failed = [r for r in rows if r["error"]]
-    routed = sum(r["routed"] for r in rows)
-    print(f"\n{len(rows) - len(failed) - routed} of {len(rows)} compiled, fit and do not spill, {routed} routed to the "
-          f"standard calls by design, {len(failed)} failed "
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled, fit and do not spill "
           f"({time.perf_counter() - start:.0f} s, {args.jobs} processes)")
     if args.json:
         with open(args.json, "w") as file:

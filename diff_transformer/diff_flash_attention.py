@@ -500,7 +500,7 @@ def _tiles(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype, devic
     """What runs on `device`: the table's tile, 16 x 16 tiles under the interpreter unless INTERPRETER_TARGET says."""
     if _INTERPRET:
         if INTERPRETER_TARGET is None:
-            return (16, 16, 4, 1) if _dims_supported(head_dim, value_dim) else None
+            return 16, 16, 4, 1
         return tile_config(kernel, head_dim, value_dim, dtype, INTERPRETER_TARGET, masked)
     target = device_target(device.index if device.index is not None else torch.cuda.current_device())
     return None if target is None else tile_config(kernel, head_dim, value_dim, dtype, target, masked)
