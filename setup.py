@@ -7,8 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="MIT",
-    packages=["diff_transformer"],
-    py_modules=["hub_upload"],
+    packages=["diff_transformer", "diff_transformer.tools"],
     python_requires=">=3.10",
     # Tested range: the floor is .ci/floor.txt's, the upper bound the newest release `bash .ci/run` has passed on
     # (README, "Supported versions"). Raise a bound only after the suite passes under the new release.
@@ -41,5 +40,5 @@ setup(
             "onnxruntime>=1.32",
         ],
     },
-    entry_points={"console_scripts": ["diff-transformer=diff_transformer.cli:main"]},
+    entry_points={"console_scripts": ["diff-transformer=diff_transformer.tools.cli:main"]},
 )

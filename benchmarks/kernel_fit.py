@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
-import diff_transformer.diff_flash_attention as kernels
+import diff_transformer.kernel_diff_flash as kernels
 
 TARGETS = (80, 86, 89, 90)
 HEAD_DIMS = (16, 32, 64, 128)

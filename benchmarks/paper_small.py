@@ -45,8 +45,8 @@ from transformers import (
 )
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.data import text_file_dataset
-from diff_transformer.evaluation import (
+from diff_transformer.tools.data import text_file_dataset
+from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
     NeedleSettings,
@@ -58,7 +58,7 @@ from diff_transformer.evaluation import (
     needle_accuracy,
     pyplot,
 )
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 MODELS = ("DIFF", "DiffLlama", "Transformer")
 DEPTHS = [0, 25, 50, 75, 100]

@@ -59,7 +59,7 @@ from .configuration_diff import DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import saved_folder_defaults
 from .peft_defaults import register_peft_defaults
-from .tiled_diff_attention import autocast_off, tiled_diff_attention, tiled_pays
+from .kernel_tiled import autocast_off, tiled_diff_attention, tiled_pays
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -70,7 +70,7 @@ except ImportError:  # older transformers (5.17) slice inline in each model, as 
 
 
 try:
-    from .diff_flash_attention import diff_flash_attention, triton_available, unfit_reason
+    from .kernel_diff_flash import diff_flash_attention, triton_available, unfit_reason
 except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
     diff_flash_attention = None
 
@@ -308,12 +308,12 @@ def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
 
 
 def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Both branches of a tile of query rows in one softmax and one product with V (tiled_diff_attention.py)."""
+    """Both branches of a tile of query rows in one softmax and one product with V (kernel_tiled.py)."""
     return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
 
 
 def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """The one-pass Triton kernel: both softmaxes once per tile, V read once (diff_flash_attention.py).
+    """The one-pass Triton kernel: both softmaxes once per tile, V read once (kernel_diff_flash.py).
 
     A skipped sdpa mask (None) with T > 1 means sdpa's top-left `is_causal`: a static cache's prefill has
     S = max_cache_len > T, so the keys past T (unfilled slots) are dropped before the kernel's bottom-right causal.

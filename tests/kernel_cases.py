@@ -1,5 +1,5 @@
 """What the kernel tests share: shapes (`Case`), left-padding masks, seeded inputs and gradients of a kernel and of
-the naive float64 reference (diff_transformer/naive_diff_attention.py) on the same inputs."""
+the naive float64 reference (diff_transformer/kernel_naive.py) on the same inputs."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

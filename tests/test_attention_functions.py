@@ -16,7 +16,7 @@ from reference import tiny_config
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
 from diff_transformer import modeling_diff
-from diff_transformer.naive_diff_attention import naive_packed_diff_attention
+from diff_transformer.kernel_naive import naive_packed_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, StaticCache
 from diff_transformer import DiffForCausalLM
 from diff_transformer import modeling_diff
 from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
-from diff_transformer.tiled_diff_attention import tiled_diff_attention
+from diff_transformer.kernel_tiled import tiled_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None

@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn  # noqa: E402
 
-import diff_transformer.diff_flash_attention as kernels  # noqa: E402
-from diff_transformer.diff_flash_attention import diff_flash_attention, triton_available  # noqa: E402
-from diff_transformer.naive_diff_attention import naive_diff_attention  # noqa: E402
+import diff_transformer.kernel_diff_flash as kernels  # noqa: E402
+from diff_transformer.kernel_diff_flash import diff_flash_attention, triton_available  # noqa: E402
+from diff_transformer.kernel_naive import naive_diff_attention  # noqa: E402
 
 _ok, _reason = triton_available()
 if not _ok:

@@ -22,10 +22,10 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM, capture_branch_attentions
-from diff_transformer.callbacks import LambdaLoggingCallback
-from diff_transformer.cli import main
-from diff_transformer.data import KeyValueTask, text_file_dataset
-from diff_transformer.evaluation import (
+from diff_transformer.tools.callbacks import LambdaLoggingCallback
+from diff_transformer.tools.cli import main
+from diff_transformer.tools.data import KeyValueTask, text_file_dataset
+from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
     NeedleSettings,
@@ -34,7 +34,7 @@ from diff_transformer.evaluation import (
     build_needle_prompt,
     needle,
 )
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,7 @@ def test_console_script_answers_fast_without_hub(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "diff_transformer.cli", "generate", "runs/typo", "--prompt", "x"],
+    result = subprocess.run([sys.executable, "-m", "diff_transformer.tools.cli", "generate", "runs/typo", "--prompt", "x"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "diff-transformer generate: error: argument model: no such folder: runs/typo" in result.stderr

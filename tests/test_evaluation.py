@@ -12,8 +12,8 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, Lla
 from transformers.models.llama import modeling_llama
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.cli import main
-from diff_transformer.evaluation import (
+from diff_transformer.tools.cli import main
+from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
     NeedleSettings,
@@ -23,7 +23,7 @@ from diff_transformer.evaluation import (
     build_needle_prompt,
     needle,
 )
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 SHARE_ATOL = 1e-5  # fp32 sums of attention rows
 

@@ -1,8 +1,7 @@
-"""hub_upload.py (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
+"""`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
 clients expect and a valid model card; the README's and the card's client calls run as written; clear errors for bad
 input."""
 
-import importlib.util
 import json
 import os
 import re
@@ -18,22 +17,23 @@ from test_client_folder import client_results, run_without_package
 from test_pipeline import save_tiny_folder
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
+from diff_transformer.tools import hub_upload
+from diff_transformer.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 32
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("hub_upload", ROOT / "hub_upload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(ROOT / "hub_upload.py"), *args]
+    command = [sys.executable, "-m", "diff_transformer.tools.cli", "upload", *args]
     return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def upload_exit_code(args: list[str]) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["upload", *args])
+    return exit_info.value.code
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_dry_run_writes_code_and_auto_map(prepared):
     folder, result = prepared
     assert "dry run" in result.stdout and "REMOTE_OK" in result.stdout
     assert "custom code" not in result.stdout + result.stderr, "a trust_remote_code prompt leaked into the output"
-    for name in ("modeling_diff.py", "configuration_diff.py", "diff_flash_attention.py", "tiled_diff_attention.py"):
+    for name in ("modeling_diff.py", "configuration_diff.py", "kernel_diff_flash.py", "kernel_tiled.py"):
         assert (folder / name).is_file(), name
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
@@ -143,8 +143,7 @@ def test_readme_and_model_card_calls_run_without_package(prepared, tmp_path):
      ("no_token", "no Hugging Face token")],
 )
 def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
-    script = load_script()
-    monkeypatch.setattr(script, "get_token", lambda: None)
+    monkeypatch.setattr(hub_upload, "get_token", lambda: None)
     folder = prepared[0]
     if case == "no_tokenizer":
         folder = tmp_path / "model"
@@ -156,20 +155,18 @@ def test_clear_errors(prepared, tmp_path, monkeypatch, capsys, case, fragment):
         "bad_repo": [str(folder), "not a repo id", "--dry-run"],
         "no_token": [str(folder), "someone/x"],
     }[case]
-    assert script.main(args) == 1
+    assert upload_exit_code(args) == 2
     assert fragment in capsys.readouterr().err
 
 
 def test_failed_check_leaves_the_folder_unchanged(tmp_path, monkeypatch, capsys):
     folder = save_tiny_folder(tmp_path / "model")
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
-    script = load_script()
-
     def failing_check(staged, label):
         assert (staged / "README.md").is_file() and staged != folder, "the check must see the prepared copy"
-        raise script.UploadError(f"{label} would not load with trust_remote_code=True (left unchanged)")
+        raise hub_upload.UploadError(f"{label} would not load with trust_remote_code=True (left unchanged)")
 
-    monkeypatch.setattr(script, "check_remote_loading", failing_check)
-    assert script.main([str(folder), "someone/x", "--dry-run"]) == 1
+    monkeypatch.setattr(hub_upload, "check_remote_loading", failing_check)
+    assert upload_exit_code([str(folder), "someone/x", "--dry-run"]) == 2
     assert "would not load with trust_remote_code=True (left unchanged)" in capsys.readouterr().err
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before

@@ -16,7 +16,7 @@ import pytest
 import torch
 from reference import assert_close, build_stack
 
-import diff_transformer.diff_flash_attention as kernels
+import diff_transformer.kernel_diff_flash as kernels
 from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, select_kernel
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.modeling_diff import BRANCH_MAPS, compute_lambda, eager_diff_attention, frozen_lambdas
-from diff_transformer.tiled_diff_attention import tiled_diff_attention
+from diff_transformer.kernel_tiled import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
 DTYPES = [torch.float32, torch.bfloat16]

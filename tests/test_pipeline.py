@@ -9,8 +9,8 @@ from reference import tiny_config
 from transformers import pipeline, set_seed
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.data import KeyValueTask
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.data import KeyValueTask
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 PROMPTS = ["k1 v2 k3 v4 ? k1", "k5 v6 ?", "k7 v8 k9 v10 k11 v12 ? k9"]
 NEW_TOKENS = 6

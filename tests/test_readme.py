@@ -21,8 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.evaluation import CITIES, FILLER, needle
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -43,13 +43,13 @@ BLOCKS = {
     "modules_to_save=DIFF_TRAINABLE_MODULES))": "slow",
     'generator = pipeline("text-generation", model="runs/my-model")': "slow",
     "with init_empty_weights():": "slow",
-    "torchrun --nproc_per_node 2 tests/ddp_train.py runs/ddp 2": "slow",
+    "torchrun --nproc_per_node 2 examples/ddp_train.py runs/ddp 2": "slow",
     "--config_file configs/accelerate_fsdp.yaml": "gpu",
     "# tp_generate.py": SKIP + "the script the next block launches (tests/test_tensor_parallel.py loads with "
     'tp_plan="auto" under torchrun)',
     "torchrun --nproc_per_node 4 tp_generate.py": "gpu",
-    "torchrun --nproc_per_node 2 tests/fsdp_train.py runs/fsdp": "slow",
-    "fully_shard(layer)": SKIP + "runs inside each torchrun process; tests/fsdp_train.py is this code",
+    "torchrun --nproc_per_node 2 examples/fsdp_train.py runs/fsdp": "slow",
+    "fully_shard(layer)": SKIP + "runs inside each torchrun process; examples/fsdp_train.py is this code",
     'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)': "slow",
     "configs/deepspeed_zero3.json  # CPU, gloo, via Trainer": SKIP + "needs deepspeed; tests/test_sharded.py runs the "
     "CPU line where it is installed",

@@ -11,7 +11,7 @@ from multiprocess import assert_same_losses, torchrun
 from transformers import AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.data import TokenBlocks
+from diff_transformer.tools.data import TokenBlocks
 
 # fp32 throughout. Each process computes its half batch's gradients and FSDP (or ZeRO) averages them: the same sums in
 # another order, so the losses agree to a few float32 ulps (measured: max abs diff 4.8e-7 on losses near 3.5).

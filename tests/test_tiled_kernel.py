@@ -8,8 +8,8 @@ from kernel_cases import Case, check_against_reference, empty_rows, leaves, padd
 from reference import assert_close
 
 from diff_transformer.modeling_diff import sdpa_decode_step
-from diff_transformer.naive_diff_attention import naive_packed_diff_attention
-from diff_transformer.tiled_diff_attention import TILE_ROWS, tiled_diff_attention, tiled_forward
+from diff_transformer.kernel_naive import naive_packed_diff_attention
+from diff_transformer.kernel_tiled import TILE_ROWS, tiled_diff_attention, tiled_forward
 
 NAMES = ("out", "dq", "dk", "dv", "dlam")
 CASES = [

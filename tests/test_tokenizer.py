@@ -6,9 +6,9 @@ import json
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from diff_transformer.data import KeyValueTask, encode_example
-from diff_transformer.tokenization_diff import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
-from diff_transformer.tokenization_diff import (
+from diff_transformer.tools.data import KeyValueTask, encode_example
+from diff_transformer.tools.tokenizer import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
+from diff_transformer.tools.tokenizer import (
     CHAT_TOKENS,
     SPECIAL_TOKENS,
     build_word_tokenizer,

@@ -6,7 +6,7 @@ from reference import tiny_config
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.data import KeyValueTask, task_dataset
+from diff_transformer.tools.data import KeyValueTask, task_dataset
 
 TASK = KeyValueTask(num_keys=16, num_values=16, num_pairs=4)
 RESUME_RTOL = 1e-6  # same CPU kernels, same data order: resumed losses should match to fp32 rounding

@@ -1,8 +1,8 @@
 """Fine-tune a tiny DiffForCausalLM with Trainer; run under torchrun or accelerate launch for data parallelism
 (gloo on CPU, NCCL on GPUs).
 
-    torchrun --nproc_per_node 2 tests/ddp_train.py OUT_DIR PER_DEVICE_BATCH [DEEPSPEED_CONFIG]
-    accelerate launch --config_file configs/accelerate_cpu_ddp.yaml tests/ddp_train.py OUT_DIR PER_DEVICE_BATCH
+    torchrun --nproc_per_node 2 examples/ddp_train.py OUT_DIR PER_DEVICE_BATCH [DEEPSPEED_CONFIG]
+    accelerate launch --config_file configs/accelerate_cpu_ddp.yaml examples/ddp_train.py OUT_DIR PER_DEVICE_BATCH
 
 With a DeepSpeed config (configs/deepspeed_zero3.json) `Trainer` runs DeepSpeed ZeRO instead of plain DDP.
 Rank 0 prints the number of processes and writes what `train` returns to OUT_DIR/results.json. Used by
@@ -17,7 +17,7 @@ from multiprocess import finish
 from transformers import Trainer, TrainingArguments
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.data import KeyValueTask, TokenBlocks, task_dataset
+from diff_transformer.tools.data import KeyValueTask, TokenBlocks, task_dataset
 
 GLOBAL_BATCH = 4
 STEPS = 6

@@ -1,6 +1,6 @@
 """Publish a saved DIFF Transformer folder (model + tokenizer) to the Hugging Face Hub.
 
-    python hub_upload.py MODEL_DIR REPO_ID [--dry-run] [--private] [--license mit]
+    diff-transformer upload MODEL_DIR REPO_ID [--dry-run] [--private] [--license mit]
 
 Writes a model card (README.md), makes sure `auto_map` and the model code are in the folder so that it loads with
 `trust_remote_code=True` and no `diff_transformer` install, sets the defaults clients expect (`use_cache: true`, a
@@ -9,7 +9,6 @@ copy (the folder is changed only once the check passes), then uploads.
 The token comes from HF_TOKEN or `hf auth login`; it is never printed or written anywhere.
 """
 
-import argparse
 import json
 import os
 import re
@@ -24,16 +23,16 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_relative_import_files
 
-import diff_transformer
-from diff_transformer.folder_defaults import generation_defaults
+from .. import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
+from ..folder_defaults import generation_defaults
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 AUTO_CLASSES = (
-    diff_transformer.DiffConfig,
-    diff_transformer.DiffModel,
-    diff_transformer.DiffForCausalLM,
-    diff_transformer.DiffForSequenceClassification,
+    DiffConfig,
+    DiffModel,
+    DiffForCausalLM,
+    DiffForSequenceClassification,
 )
 CONFIG_ROWS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -42,8 +41,8 @@ CONFIG_ROWS = (
 )
 
 
-class UploadError(Exception):
-    """A problem with the user's input, reported without a traceback."""
+class UploadError(ValueError):
+    """A problem with the user's input, reported by the CLI in one line."""
 
 
 def check_inputs(model_dir: Path, repo_id: str) -> dict:
@@ -56,7 +55,7 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise UploadError(f"{model_dir} has no tokenizer: save it with tokenizer.save_pretrained({model_dir})")
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != diff_transformer.DiffConfig.model_type:
+    if config.get("model_type") != DiffConfig.model_type:
         raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
     return config
 
@@ -68,7 +67,7 @@ def auto_map() -> dict[str, str]:
 
 def code_files() -> set[Path]:
     """modeling_diff.py, configuration_diff.py and every sibling they import."""
-    package = Path(diff_transformer.__file__).parent
+    package = Path(__file__).parents[1]  # the Hub folder's files are the package's top level
     entry_points = [package / "modeling_diff.py", package / "configuration_diff.py"]
     return {*entry_points, *(Path(f) for e in entry_points for f in get_relative_import_files(str(e)))}
 
@@ -95,7 +94,7 @@ def install_generation_config(model_dir: Path) -> None:
         generation = GenerationConfig.from_pretrained(model_dir)
     else:
         generation = GenerationConfig()
-    generation_defaults(generation, diff_transformer.DiffConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
+    generation_defaults(generation, DiffConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def base_model(config: dict) -> str | None:
@@ -249,23 +248,3 @@ def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license
         print(f"dry run: not uploading to {repo_id}")
         return
     print(f"uploaded: {upload(model_dir, repo_id, private, token)}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", type=Path, help="folder written by save_pretrained (model + tokenizer)")
-    parser.add_argument("repo_id", help="Hub repository, 'user-or-org/model-name'")
-    parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
-    parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--license", default="mit", help="license id for the model card metadata (the package's is mit)")
-    args = parser.parse_args(argv)
-    try:
-        publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
-    except UploadError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

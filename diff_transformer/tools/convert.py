@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from .configuration_diff import DiffConfig
-from .modeling_diff import DiffForCausalLM
+from ..configuration_diff import DiffConfig
+from ..modeling_diff import DiffForCausalLM
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "diffllama")

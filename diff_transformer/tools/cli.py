@@ -1,5 +1,5 @@
 """`diff-transformer` command line: train a tiny DIFF model (arXiv 2410.05258), generate from a saved one, convert
-checkpoints and evaluate retrieval, attention noise and outliers. Add --debug to any command to see a traceback."""
+checkpoints, evaluate retrieval, attention noise and outliers, and upload to the Hub. Add --debug to any command to see a traceback."""
 
 import argparse
 import json
@@ -22,11 +22,11 @@ from transformers import (
     set_seed,
 )
 
-from . import DiffConfig, DiffForCausalLM
-from .configuration_diff import check_local_path, check_model_type
+from .. import DiffConfig, DiffForCausalLM
+from ..configuration_diff import check_local_path, check_model_type
 from .data import KeyValueTask, TokenBlocks, read_text_file, retrieval_accuracy, task_dataset, text_file_dataset
 from .evaluation import CITIES
-from .tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
+from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -462,12 +462,31 @@ def add_outliers_parser(commands, common) -> Parser:
     return parser
 
 
+def run_upload(args: argparse.Namespace) -> None:
+    from .hub_upload import publish
+
+    publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
+
+
+def add_upload_parser(commands, common) -> Parser:
+    parser = commands.add_parser("upload", parents=[common], help="publish a saved folder to the Hugging Face Hub",
+                                 description="Write the model card, code and client defaults into a saved folder, "
+                                             "check that it loads with trust_remote_code=True, then upload it.")
+    parser.add_argument("model_dir", type=Path, help="folder written by save_pretrained (model + tokenizer)")
+    parser.add_argument("repo_id", help="Hub repository, 'user-or-org/model-name'")
+    parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
+    parser.set_defaults(func=run_upload)
+    return parser
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
     common = common_options()
     for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
-                add_attention_noise_parser, add_outliers_parser):
+                add_attention_noise_parser, add_outliers_parser, add_upload_parser):
         command = add(commands, common)
         command.set_defaults(command_parser=command)
     return parser

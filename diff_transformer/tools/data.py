@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from .tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
+from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
 
 @dataclass

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from .modeling_diff import DiffAttention, capture_branch_attentions, split_branches
+from ..modeling_diff import DiffAttention, capture_branch_attentions, split_branches
 
 CITIES = (
     "Paris Lisbon Berlin Madrid Rome Vienna Prague Oslo Dublin Athens Cairo Lagos Nairobi Lima Quito Bogota Havana "

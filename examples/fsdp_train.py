@@ -1,6 +1,6 @@
 """Shard a tiny DiffForCausalLM with FSDP2 (`fully_shard`) and train it; run under torchrun (gloo on CPU).
 
-    torchrun --nproc_per_node 2 tests/fsdp_train.py OUT_DIR
+    torchrun --nproc_per_node 2 examples/fsdp_train.py OUT_DIR
 
 Every DiffDecoderLayer is its own FSDP unit and the root holds the rest (embeddings, final norm, lm_head). Each
 step trains GLOBAL_BATCH sequences, split evenly over the processes, so any process count sees the same data.
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.data import TokenBlocks
+from diff_transformer.tools.data import TokenBlocks
 
 EVAL_ROWS = 2
 
