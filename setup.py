@@ -10,7 +10,7 @@ setup(
     packages=["diff_transformer", "diff_transformer.tools"],
     python_requires=">=3.10",
     # Tested range: the floor is .ci/floor.txt's, the upper bound the newest release `bash .ci/run` has passed on
-    # (README, "Supported versions"). Raise a bound only after the suite passes under the new release.
+    # (docs/versions.md). Raise a bound only after the suite passes under the new release.
     install_requires=[
         "torch>=2.11,<2.16",
         "transformers>=5.17,<=5.24.0",

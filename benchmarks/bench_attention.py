@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig
-from diff_transformer.modeling_diff import DIFF_KERNELS, FUSED_IMPLEMENTATION, select_kernel, triton_available
+from diff_transformer.modeling_diff import DIFF_KERNELS, DIFF_FLASH, select_kernel, triton_available
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -130,7 +130,7 @@ def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[
     out["flex_attention"] = (v1_case(config, "flex_attention", diff_attention, batch, seq, dtype)
                              if CUDA else "needs CUDA (no flex backward on CPU; CPU compile is slow)")
     ok, reason = triton_available()
-    out[FUSED_IMPLEMENTATION] = (v1_case(config, FUSED_IMPLEMENTATION, diff_attention, batch, seq, dtype)
+    out[DIFF_FLASH] = (v1_case(config, DIFF_FLASH, diff_attention, batch, seq, dtype)
                                  if CUDA and ok else reason if CUDA else "needs CUDA")
     out["DIFF V2 (sdpa)"] = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, h_kv, True)
     return out

@@ -80,7 +80,7 @@ def type_name(annotation: object) -> str:
 
 # Tensor parallelism (`tp_plan="auto"`): rank r of n holds whole heads [r h/n, (r+1) h/n), i.e. both branches' q/k rows
 # of them in a V1 layer ("diff_colwise", diff_tensor_parallel.py), their kv heads' v rows and their o_proj columns;
-# lambda and SubLN whole ("diff_replicated"). Row ranges per layer kind: docs/design.md §8. n must divide h_kv.
+# lambda and SubLN whole ("diff_replicated"). n must divide h_kv.
 MLP_TP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
@@ -107,7 +107,7 @@ V2_TP_PLAN = {
 
 class DiffConfig(PreTrainedConfig):
     r"""
-    Configuration of a Llama-style decoder with differential attention (docs/design.md §1).
+    Configuration of a Llama-style decoder with differential attention (arXiv 2410.05258).
 
     Differential fields (the rest follow `LlamaConfig`):
         num_attention_heads (`int`): differential heads h. Each has two q/k sub-heads of dim `head_dim`.
@@ -129,7 +129,7 @@ class DiffConfig(PreTrainedConfig):
     """
 
     model_type = "diff_transformer"
-    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output key before and after transformers 5.24
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output's cache, under either name
     base_model_tp_plan = V1_TP_PLAN  # `V2_TP_PLAN` when diff_version=2 (set in `__post_init__`)
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -286,7 +286,7 @@ class DiffConfig(PreTrainedConfig):
         """Each layer's config as transformers reads it to allocate a cache before the first forward (`generate`'s
         static cache, the ExecuTorch recipe): `num_key_value_heads` x `head_dim` of the cached keys and values.
 
-        A differential layer's cache is not its query shape (docs/design.md §5): V1 caches packed keys (k1 | k2)
+        A differential layer's cache is not its query shape: V1 caches packed keys (k1 | k2)
         and values 2d wide per kv head, V2 h_kv heads of d, and a standard layer of a hybrid stack h_kv dv / d
         heads of d. Where keys and values differ in width (V1 with dv != 2d), `qk_head_dim` / `v_head_dim` mark
         the layer as transformers marks MLA layers, and the cache is allocated by the first forward instead."""
@@ -298,7 +298,7 @@ class DiffConfig(PreTrainedConfig):
 
     @property
     def per_layer_attributes(self) -> set[str]:
-        """The fields `per_layer_config` sets per layer (transformers < 5.24 reads only the fields named here)."""
+        """The fields `per_layer_config` sets per layer (those transformers reads from each layer's config)."""
         return {"num_key_value_heads", "head_dim"}
 
     def layer_cache_config(self, kind: str) -> "DiffConfig":

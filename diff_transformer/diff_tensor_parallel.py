@@ -1,4 +1,4 @@
-"""Tensor parallelism that keeps each differential head on one rank (`tp_plan="auto"`, docs/design.md §8).
+"""Tensor parallelism that keeps each differential head on one rank (`tp_plan="auto"`).
 
 Two parallel styles, registered with transformers under the names the plans of `configuration_diff.py` use:
 
@@ -15,7 +15,7 @@ Two parallel styles, registered with transformers under the names the plans of `
 import torch
 from torch import nn
 
-BRANCH_HALVES = "branch_halves"  # set on a Linear whose output rows are [branch-1 | branch-2] (docs/design.md §2)
+BRANCH_HALVES = "branch_halves"  # set on a Linear whose output rows are [branch-1 | branch-2]
 DIFF_COLWISE = "diff_colwise"
 DIFF_REPLICATED = "diff_replicated"
 
@@ -67,9 +67,9 @@ if torch.distributed.is_available():
         `.grad` (so gradient accumulation adds whole gradients).
 
         The hooks go on at the first forward with gradients, since loading replaces the parameters after the plan is
-        applied. Not transformers' `replicated_with_grad_allreduce`: under 5.17 it hooks the module's backward, which
-        never runs for `DiffLambda` (a forward without inputs), and under 5.24 it all-reduces the accumulated `.grad`,
-        which counts earlier micro-batches again."""
+        applied. Not transformers' `replicated_with_grad_allreduce`, which (depending on the release) either hooks the
+        module's backward, which never runs for `DiffLambda` (a forward without inputs), or all-reduces the
+        accumulated `.grad`, which counts earlier micro-batches again."""
 
         def install_forward(self, module, mesh):
             forward, group, hooked = module.forward, mesh.get_group(), {}

@@ -567,7 +567,7 @@ def _mask_args(mask: Tensor | None, shape: tuple[int, int, int, int], like: Tens
     return mask, mask.stride(), True
 
 
-class _DiffFlashAttention(torch.autograd.Function):
+class DiffFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, lam, scaling, causal, mask):
         q1, q2 = _paired(q1, q2)
@@ -635,4 +635,4 @@ def diff_flash_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tens
     Returns [B, h, T, dv] in the input dtype. Differentiable in q1, q2, k1, k2, v and lam.
     """
     _check_inputs(q1, q2, k1, k2, v)
-    return _DiffFlashAttention.apply(q1, q2, k1, k2, v, lam, float(scaling), bool(causal), mask)
+    return DiffFlashAttentionFunction.apply(q1, q2, k1, k2, v, lam, float(scaling), bool(causal), mask)

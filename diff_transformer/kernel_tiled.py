@@ -10,12 +10,9 @@ of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths onl
 after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the forward's branch layout) and
 recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps.
 
-Layout (the attention kernels' layout of docs/design.md): q [B, 2h, T, d] in halves order, keys packed
+Layout (the differential kernels' layout of modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed
 [B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv`
 without repeat_kv copies. A mask of None means causal with the queries as the last T of the S keys.
-
-Why the kernel is written as it is (tile size, K^T, scratch buffers, one bmm per kv head), with the measurements:
-benchmarks/RESULTS.md, "Kernel design notes".
 """
 
 import functools
@@ -24,19 +21,19 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-TILE_ROWS = 128  # query rows per tile: the fastest size measured (benchmarks/RESULTS.md)
+TILE_ROWS = 128  # query rows per tile: the fastest size measured on CPU
 
 
-def tiled_pays(q: torch.Tensor) -> bool:
+def tiled_is_faster(q: torch.Tensor) -> bool:
     """Whether the tiled kernel beats two torch sdpa calls on CPU (q [B, 2h, T, d]): it needs causal tiles to skip
-    (T > TILE_ROWS) and d >= 32 (at d = 16 the padded query's wasted half costs little); benchmarks/RESULTS.md."""
+    (T > TILE_ROWS) and d >= 32 (at d = 16 the padded query's wasted half costs little)."""
     return q.shape[2] > TILE_ROWS and q.shape[-1] >= 32
 
 
 def branch_views(q: torch.Tensor, k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, 2h, T, d] -> scaling * q as [2, B, h_kv, n_rep, T, d]; packed k [B, h_kv, S, 2d] -> K^T as
     [2, B, h_kv, d, S]. fp32, branch first and contiguous (one copy each), so each branch's maps are one contiguous
-    block, and a tile's score product reads K^T rows (faster than reading K transposed: benchmarks/RESULTS.md)."""
+    block, and a tile's score product reads K^T rows (faster than reading K transposed)."""
     batch, _, length, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
     q_branches = q.view(batch, 2, h_kv, -1, length, d).transpose(0, 1)  # [2, B, h_kv, n_rep, T, d]
@@ -54,7 +51,7 @@ def branch_mask(mask: torch.Tensor | None, h_kv: int) -> torch.Tensor | None:
     return mask.reshape(batch, h_kv, -1, length, keys)
 
 
-def prefix(buffer: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
+def buffer_view(buffer: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
     """The first prod(shape) elements of a flat scratch buffer as a contiguous [*shape] view (None: no buffer)."""
     return None if buffer is None else buffer[: math.prod(shape)].view(shape)
 
@@ -69,16 +66,25 @@ def branch_scores(
     _, batch, h_kv, n_rep, rows, d = q.shape
     q_flat = q.reshape(-1, n_rep * rows, d)  # [2 * B * h_kv, n_rep * t, d], a view of a tile's slice
     kt_flat = kt.reshape(-1, d, kt.shape[-1])  # [2 * B * h_kv, d, e]
-    out = prefix(buffer, q_flat.shape[0], n_rep * rows, kt_flat.shape[-1])
+    out = buffer_view(buffer, q_flat.shape[0], n_rep * rows, kt_flat.shape[-1])
     scores = torch.bmm(q_flat, kt_flat, out=out).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
+    return mask_scores_(scores, mask)
+
+
+def mask_scores_(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """In place, fp32 scores [..., T, S] with transformers' attention mask applied: boolean (True: may attend),
+    additive (0 or the dtype's minimum; clamped, since a float64 mask's minimum would overflow fp32 to -inf), or
+    None (causal, the T queries being the last T of the S keys). Masked scores get a finite fill, so a fully masked
+    row's softmax is uniform instead of NaN."""
     fill = torch.finfo(scores.dtype).min
+    rows = scores.shape[-2]
     if mask is None and rows > 1:
-        scores[..., -rows:].add_(torch.full((rows, rows), fill, device=q.device).triu_(1))  # faster than masked_fill_
-    elif mask is not None and mask.dtype == torch.bool:
-        scores.masked_fill_(~mask, fill)
-    elif mask is not None:  # a float64 mask's minimum would overflow the fp32 scores to -inf: clamped to the fill
-        scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
-    return scores
+        scores[..., -rows:].add_(torch.full((rows, rows), fill, device=scores.device).triu_(1))  # beats masked_fill_
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill_(~mask, fill)
+    return scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
 
 
 def branch_probs(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -127,7 +133,7 @@ def differential_map(probs: torch.Tensor, lam: torch.Tensor, out: torch.Tensor |
 
 def map_buffer(q_branches: torch.Tensor, keys: int, rows: int, maps: int) -> torch.Tensor:
     """Flat scratch for `maps` maps [B, h_kv, n_rep, rows, keys] that every tile of a call reuses: a fresh tensor
-    per tile is written cache-cold, and a large one comes from fresh pages every time (benchmarks/RESULTS.md)."""
+    per tile is written cache-cold, and a large one comes from fresh pages every time."""
     batch_heads, length = math.prod(q_branches.shape[1:4]), q_branches.shape[-2]  # B * h_kv * n_rep, T
     return q_branches.new_empty(maps * batch_heads * min(rows, length) * keys)
 
@@ -167,7 +173,7 @@ def forward_tiles(q_branches: torch.Tensor, kt_branches: torch.Tensor, v: torch.
 def write_product(out: torch.Tensor, start: int, diff_map: torch.Tensor, v_flat: torch.Tensor) -> None:
     """out[:, start:start + t] = M V for a tile's map M [B, h_kv, n_rep, t, e] and v_flat [B * h_kv, S, dv]: one
     bmm per kv head with the GQA groups folded into the rows, then one copy into out's [B, T, h_kv, n_rep, dv]
-    layout (torch.matmul would copy V n_rep times per tile; benchmarks/RESULTS.md)."""
+    layout (torch.matmul would copy V n_rep times per tile)."""
     batch, h_kv, n_rep, length, keys = diff_map.shape
     product = torch.bmm(diff_map.view(batch * h_kv, n_rep * length, keys), v_flat[:, :keys])  # [B h_kv, n_rep t, dv]
     out[:, start : start + length].permute(0, 2, 3, 1, 4).copy_(product.view(batch, h_kv, n_rep, length, -1))
@@ -200,18 +206,18 @@ class TiledDiffAttention(torch.autograd.Function):
         dv_flat = v.new_empty(batch * h_kv, num_keys, dv)  # [B * h_kv, S, dv]
         v_flat = v.view(batch * h_kv, num_keys, dv)
         dlam, dqs = torch.zeros_like(lam), []
-        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers rather than one of five maps (benchmarks/RESULTS.md)
+        # P_1, P_2 | M, then dM | dS_1, dS_2: three buffers rather than one of five maps
         p_buffer, m_buffer, ds_buffer = (map_buffer(q_branches, num_keys, ctx.rows, maps) for maps in (2, 1, 2))
         for start, stop, keys in reversed(list(tiles(length, num_keys, ctx.rows))):  # last first: see `add_bmm`
             rows = n_rep * (stop - start)
             probs = tile_probs(q_branches, kt_branches, map_mask, start, stop, keys, p_buffer)
-            diff_map = differential_map(probs, lam, out=prefix(m_buffer, *probs.shape[1:]))
+            diff_map = differential_map(probs, lam, out=buffer_view(m_buffer, *probs.shape[1:]))
             grad = grad_out[..., start:stop, :].reshape(-1, rows, dv)  # [B * h_kv, n_rep * t, dv]
             add_bmm(dv_flat, diff_map.view(-1, rows, keys).transpose(1, 2), grad)
             d_map = torch.bmm(grad, v_flat[:, :keys].transpose(1, 2), out=diff_map.view(-1, rows, keys)).view(
                 probs.shape[1:])  # dM = dO V^T [B, h_kv, n_rep, t, e], GQA folded into rows (no V copy per n_rep)
             dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))
-            d_scores = softmax_grads(d_map, probs, out=prefix(ds_buffer, *probs.shape))
+            d_scores = softmax_grads(d_map, probs, out=buffer_view(ds_buffer, *probs.shape))
             if map_mask is not None and map_mask.dtype == torch.bool:  # a fully masked row's uniform map: no gradient
                 d_scores.masked_fill_(~map_mask[..., start:stop, :keys], 0)
             d_scores = d_scores.view(-1, rows, keys)  # [2 * B * h_kv, n_rep * t, e]

@@ -1,14 +1,20 @@
-"""Differential Transformer (Ye et al., "Differential Transformer", ICLR 2025, arXiv 2410.05258).
-
-A Llama-style decoder whose softmax attention is replaced by differential attention:
+"""Differential Transformer (Ye et al., "Differential Transformer", ICLR 2025, arXiv 2410.05258) as subclasses of
+transformers' Llama classes: only the attention differs.
 
     A_b    = softmax(Q_b K_b^T / sqrt(d) + mask)                       b = 1, 2
     head_j = (A_1 - lambda A_2) V_j                                    V_j is `value_head_dim` (2d) wide
     out_j  = (1 - lambda_init) SubLN(head_j)
     lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init
 
-Tensor layout of the differential kernels (every entry of `DIFF_KERNELS` takes the same; `select_kernel` picks one;
-docs/design.md):
+The decoder layer, model and causal LM are Llama's with these attentions (`DiffAttention`; `DiffV2Attention` for DIFF
+V2; `DiffStandardAttention`, Llama attention, for the standard layers of hybrid stacks), the lambda initialisation
+and the cache shapes of `DiffConfig.per_layer_config`.
+
+Shape names: B batch, T query positions, S key positions, h differential heads, h_kv kv heads, n_rep = h / h_kv,
+d q/k sub-head dim, dv value dim. A suffix names a tensor's dims in order (torchtitan's convention): K kv heads,
+b branch, R n_rep, D d; `q_BKbRD` is [B, h_kv, 2, n_rep, d].
+
+The differential kernels (`DIFF_KERNELS`; `select_kernel` picks one) all take
 
     q      : [B, 2h, T, d]       projected, rotated queries, "halves" order: q1 = q[:, :h], q2 = q[:, h:]
     k      : [B, h_kv, S, 2d]    cached keys packed per kv head as (k1 | k2): k1 = k[..., :d], k2 = k[..., d:]
@@ -17,9 +23,8 @@ docs/design.md):
     return : ([B, T, h, dv] fp32 difference, attention map or None)
 
 Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share one head count (one cache layer per
-attention layer, described to transformers by `DiffConfig.per_layer_config`), both branches read their keys as
-zero-copy views, and (with dv = 2d) a zero-padded query attends to the packed keys in one standard-attention call
-per branch (`branch_calls`).
+attention layer), both branches read their keys as zero-copy views, and (with dv = 2d) a zero-padded query attends
+to the packed keys in one standard-attention call per branch (`branch_calls`).
 """
 
 import functools
@@ -36,38 +41,31 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers import initialization as init
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
-from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
-    LlamaMLP,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     repeat_kv,
 )
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils import TransformersKwargs, is_torchdynamo_compiling
 
 from .configuration_diff import DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import saved_folder_defaults
+from .kernel_tiled import autocast_off, mask_scores_, tiled_diff_attention, tiled_is_faster
 from .peft_defaults import register_peft_defaults
-from .kernel_tiled import autocast_off, tiled_diff_attention, tiled_pays
-
-try:
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # older transformers (5.17) slice inline in each model, as here
-
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        return hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
-
 
 try:
     from .kernel_diff_flash import diff_flash_attention, triton_available, unfit_reason
@@ -81,46 +79,27 @@ except ImportError:  # the Hub copy may lack the kernel file's optional dependen
         return ""
 
 
-FUSED_IMPLEMENTATION = "diff_flash"
+DIFF_FLASH = "diff_flash"  # the fused kernel's name as an `attn_implementation`
 
 register_peft_defaults()  # with the model code, so LoraConfig() needs no target_modules under trust_remote_code too
 
-# transformers 5.24 renamed the cache argument `past_key_values` to `cache` (forwards, `generate`, masks, outputs and
-# gradient checkpointing). The model takes the cache as `cache` and calls the library under the name it uses.
-CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-OLD_CACHE_KWARG = "past_key_values"
+# The name under which the installed transformers passes the cache to forwards (`cache`, or `past_key_values` in
+# the releases before the rename); the modules read it from their keyword arguments under that name.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+CACHE_NAMES = ("cache", "past_key_values")
 
 
-def takes_cache_alias(forward: Callable) -> Callable:
-    """Accept the cache as `past_key_values` too (the name of transformers < 5.24, and of user code written for it);
-    both names at once is an error.
-
-    Not transformers' `deprecate_kwarg`: under 5.17 `past_key_values` is the library's current name (its `generate`
-    passes it), so it warns only where the library has renamed it, and its both-names error says it "ignores" one.
-    """
-
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
-        if OLD_CACHE_KWARG in kwargs:
-            if kwargs.get("cache") is not None:
-                raise ValueError(f"got the cache as both `cache` and `{OLD_CACHE_KWARG}`; pass it once, as `cache`")
-            if CACHE_KWARG == "cache":  # as transformers' own models warn from 5.24 on
-                warnings.warn(f"`{OLD_CACHE_KWARG}` is deprecated since transformers 5.24; pass the cache as `cache`",
-                              FutureWarning, stacklevel=2)
-            kwargs["cache"] = kwargs.pop(OLD_CACHE_KWARG)
-        return forward(*args, **kwargs)
-
-    return wrapper
-
-
-def check_no_dropped_cache(kwargs: dict) -> None:
-    """A cache under a name the model does not read would be dropped, and every decode step would see no context."""
+def check_cache_argument(kwargs: dict) -> None:
+    """In place: a cache passed as `cache` where transformers still names it `past_key_values` gets that name; a
+    cache under any other name would be ignored by every layer, each decode step seeing no context: an error."""
+    if CACHE_KWARG != "cache" and "cache" in kwargs:
+        if kwargs.get(CACHE_KWARG) is not None:
+            raise ValueError(f"got the cache as both `cache` and `{CACHE_KWARG}`; pass it once")
+        kwargs[CACHE_KWARG] = kwargs.pop("cache")
     for name, value in kwargs.items():
-        if isinstance(value, Cache) or name in ("past_key_value", "layer_past", "past", "cache_params"):
-            raise TypeError(
-                f"{name}={type(value).__name__} is not a cache argument of this model, which would ignore it; "
-                f"pass the cache as `cache` (or `{OLD_CACHE_KWARG}`)"
-            )
+        if name not in CACHE_NAMES and (isinstance(value, Cache) or name in ("past_key_value", "layer_past", "past")):
+            raise TypeError(f"{name}={type(value).__name__} is not a cache argument of this model, which would ignore "
+                            f"it; pass the cache as `{CACHE_KWARG}`")
 
 
 def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
@@ -180,54 +159,6 @@ def frozen_lambdas(model: nn.Module) -> Iterator[None]:
                     module.frozen = None
 
 
-def sub_ln(x: torch.Tensor, weight: torch.Tensor, scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale * weight * x / rms(x) over the last dim, 1 / rms(x)); rms as LlamaRMSNorm computes it."""
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-    return (x * rstd).mul_(weight * scale), rstd
-
-
-class SubLNFunction(torch.autograd.Function):
-    """`sub_ln` with a hand-written backward. torch 2.13 has no fused CPU RMSNorm, and the composite one
-    (LlamaRMSNorm, then the scale) makes about 16 passes over the head outputs per layer, this about 9. Kept for
-    its rounding, which the README's recorded training runs depend on, not for speed (benchmarks/RESULTS.md,
-    "SubLN backward"). With g = dL/dy * scale * weight and n = x / rms(x):
-    dL/dx = (g - n * mean(g * n)) / rms(x)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, scale: float, eps: float):
-        out, rstd = sub_ln(x, weight, scale, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, rstd = ctx.saved_tensors
-        normed = x * rstd
-        grad_weight = (grad_out * normed).reshape(-1, x.shape[-1]).sum(0).mul_(ctx.scale).to(weight.dtype)
-        grad = grad_out * (weight * ctx.scale)  # dL/d(normed)
-        grad_x = torch.addcmul(grad, normed, (grad * normed).mean(-1, keepdim=True), value=-1).mul_(rstd)
-        return grad_x, grad_weight, None, None
-
-
-class SubLNRMSNorm(nn.Module):
-    """SubLN (paper §2.1): RMSNorm of each head output with a learnable per-channel gain, times the output scale
-    (1 - lambda_init) that the attention owns; fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return SubLNFunction.apply(x, self.weight, scale, self.eps)
-        return sub_ln(x, self.weight, scale, self.eps)[0]
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.numel()}, eps={self.eps}"
-
-
 def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q [B, 2h, T, d] -> q1, q2 [B, h, T, d]; packed k [B, h_kv, S, 2d] -> k1, k2 [B, h_kv, S, d] (views)."""
     h, d = q.shape[1] // 2, q.shape[-1]
@@ -235,17 +166,9 @@ def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 
 def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """fp32 scores q k^T * scaling [B, H, T, S] with transformers' mask (boolean or additive; None: causal, the
-    queries being the last T keys). Masked scores get a finite fill, so a fully masked row's softmax is uniform
-    instead of NaN."""
+    """fp32 scores q k^T * scaling [B, H, T, S] with transformers' mask applied (`mask_scores_`)."""
     scores = torch.matmul(q.float() * scaling, k.float().transpose(2, 3))
-    fill = torch.finfo(scores.dtype).min
-    if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - q.shape[2])
-    if mask.dtype == torch.bool:
-        return scores.masked_fill_(~mask[..., : k.shape[2]], fill)
-    mask = mask[..., : k.shape[2]]
-    return scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
+    return mask_scores_(scores, None if mask is None else mask[..., : k.shape[2]])
 
 
 # `capture_branch_attentions` collects (A1, A2, lambda) of every eager differential layer here.
@@ -254,8 +177,8 @@ BRANCH_MAPS: ContextVar[list | None] = ContextVar("diff_branch_maps", default=No
 
 @autocast_off
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """The specification the other kernels are tested against: both softmax maps in fp32, their difference
-    A1 - lambda A2, times V. Returns (out [B, T, h, dv] fp32, the differential map [B, h, T, S])."""
+    """The paper's formula as written: both softmax maps in fp32, their difference A1 - lambda A2, times V; the one
+    kernel that returns the map (and feeds `capture_branch_attentions`). Returns (out [B, T, h, dv] fp32, the differential map [B, h, T, S])."""
     q1, q2, k1, k2 = split_branches(q, k)
     k1, k2, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, k2, v))  # [B, h, S, .]
     a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
@@ -308,18 +231,18 @@ def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
 
 
 def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Both branches of a tile of query rows in one softmax and one product with V (kernel_tiled.py)."""
+    """Both branches of a tile of query rows in one softmax and one product with V (`tiled_diff_attention`)."""
     return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
 
 
-def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """The one-pass Triton kernel: both softmaxes once per tile, V read once (kernel_diff_flash.py).
+def diff_flash_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """The one-pass Triton kernel: both softmaxes once per tile, V read once (`diff_flash_attention`).
 
     A skipped sdpa mask (None) with T > 1 means sdpa's top-left `is_causal`: a static cache's prefill has
     S = max_cache_len > T, so the keys past T (unfilled slots) are dropped before the kernel's bottom-right causal.
     """
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        raise ValueError(f"{FUSED_IMPLEMENTATION} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
+        raise ValueError(f"{DIFF_FLASH} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
     length = q.shape[2]
     if attention_mask is None and length > 1:
         k, v = k[:, :, :length], v[:, :, :length]  # [B, h_kv, T, .]
@@ -333,9 +256,9 @@ def fused_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
 DIFF_KERNELS: dict[str, Callable] = {
     "eager": eager_diff_attention,  # the spec; the only one that returns the map
     "sdpa_decode_step": sdpa_decode_step,  # T = 1: both branches in one torch sdpa call
-    "tiled": tiled_kernel,  # CPU, T > 128: Llama's FLOPs instead of two calls' 2x (benchmarks/RESULTS.md)
+    "tiled": tiled_kernel,  # CPU, T > 128: Llama's FLOPs instead of two calls' 2x
     "standard_calls": standard_attention_calls,  # the user's sdpa / flash / flex kernel, twice
-    FUSED_IMPLEMENTATION: fused_diff_attention,  # Triton, one pass for both branches
+    DIFF_FLASH: diff_flash_kernel,  # Triton, one pass for both branches
 }
 
 
@@ -343,25 +266,26 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
     torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
     or a GPU that `diff_flash` has no tile for make the standard calls too, with a warning."""
-    if implementation == FUSED_IMPLEMENTATION:
+    if implementation == DIFF_FLASH:
         reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
         if reason:
-            warnings.warn(f"{FUSED_IMPLEMENTATION} cannot run {reason}; these layers make two standard attention "
+            warnings.warn(f"{DIFF_FLASH} cannot run {reason}; these layers make two standard attention "
                           "calls instead", stacklevel=2)
             return "standard_calls"
-    if implementation in ("eager", FUSED_IMPLEMENTATION):
+    if implementation in ("eager", DIFF_FLASH):
         return implementation
     if implementation != "sdpa" or is_torchdynamo_compiling():
         return "standard_calls"
     if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
         return "sdpa_decode_step"
-    if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_pays(q)):
+    if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_is_faster(q)):
         return "tiled"
     return "standard_calls"
 
 
 class DiffAttention(nn.Module):
-    """Differential multi-head attention (paper §2.1), V1 weight layout of docs/design.md."""
+    """Differential multi-head attention (paper §2.1). q_proj rows are [branch-1 sub-heads | branch-2 sub-heads],
+    k_proj rows likewise for the kv heads, v_proj h_kv heads of width dv."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
@@ -384,7 +308,7 @@ class DiffAttention(nn.Module):
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
         self.use_subln = config.use_subln
-        self.subln = SubLNRMSNorm(dv, config.rms_norm_eps) if config.use_subln else nn.Identity()
+        self.subln = LlamaRMSNorm(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()  # per head
         self.set_lambda_init(lambda_init)
 
     def set_lambda_init(self, value: float) -> None:
@@ -405,22 +329,21 @@ class DiffAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, length, -1, self.value_head_dim).transpose(1, 2)  # [B, h_kv, T, dv]
         return q, k, v
 
-    @takes_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
+        cache = kwargs.pop(CACHE_KWARG, None)
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         kernel = DIFF_KERNELS[select_kernel(self.config._attn_implementation, q, k, v)]
         out, attn_map = kernel(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
-        out = self.subln(out, self.output_scale) if self.use_subln else out  # SubLN per head, in fp32
+        out = self.subln(out) * self.output_scale if self.use_subln else out  # fp32
         out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
         return out, attn_map
 
@@ -458,16 +381,15 @@ class DiffV2Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.attention_out_bias)
         self.lambda_proj = nn.Linear(hidden, self.num_heads, bias=False)
 
-    @takes_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
+        cache = kwargs.pop(CACHE_KWARG, None)
         shape = (batch, length, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, 2h, T, d]
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
@@ -515,48 +437,18 @@ def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
 ATTENTION_CLASSES = (DiffAttention, DiffV2Attention, DiffStandardAttention)
 
 
-class DiffDecoderLayer(GradientCheckpointingLayer):
-    """Pre-RMSNorm block: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+class DiffDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-RMSNorm block with a differential (or, in hybrid stacks, standard) attention."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
-        super().__init__()
+        super().__init__(config, layer_idx)
         self.self_attn = build_attention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    @takes_cache_alias
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        attn_out, _ = self.self_attn(  # the library's name: the standard layers are transformers' LlamaAttention
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            **{CACHE_KWARG: cache},
-            **kwargs,
-        )
-        hidden_states = hidden_states + attn_out
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class DiffPreTrainedModel(PreTrainedModel):
+class DiffPreTrainedModel(LlamaPreTrainedModel):
     config: DiffConfig
     config_class = DiffConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["DiffDecoderLayer"]
-    _skip_keys_device_placement = [CACHE_KWARG]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _can_compile_fullgraph = True
-    _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": list(ATTENTION_CLASSES)}
 
     @classmethod
@@ -584,7 +476,7 @@ class DiffPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, DiffLambda):
             for param in (module.q1, module.k1, module.q2, module.k2):
-                nn.init.normal_(param, mean=0.0, std=module.std)
+                init.normal_(param, mean=0.0, std=module.std)
 
     @classmethod
     def maybe_distribute_model(cls, model: "DiffPreTrainedModel", distributed_config, *args):
@@ -593,10 +485,10 @@ class DiffPreTrainedModel(PreTrainedModel):
         return super().maybe_distribute_model(model, distributed_config, *args)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
-        if attn_implementation == FUSED_IMPLEMENTATION:
+        if attn_implementation == DIFF_FLASH:
             ok, reason = triton_available()
             if not ok:
-                raise ValueError(f"attn_implementation='{FUSED_IMPLEMENTATION}' is unavailable: {reason}")
+                raise ValueError(f"attn_implementation='{DIFF_FLASH}' is unavailable: {reason}")
             return attn_implementation
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
@@ -619,9 +511,9 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         )
 
 
-class DiffModel(DiffPreTrainedModel):
+class DiffModel(DiffPreTrainedModel, LlamaModel):
     def __init__(self, config: DiffConfig):
-        super().__init__(config)
+        PreTrainedModel.__init__(self, config)  # LlamaModel's modules, with DIFF decoder layers
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
@@ -631,57 +523,19 @@ class DiffModel(DiffPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @takes_cache_alias
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        check_no_dropped_cache(kwargs)
-        if inputs_embeds is None:
+    # LlamaModel's forward (and signature), after two checks that turn silent failures into errors: the cache's
+    # argument name (`check_cache_argument`) and token ids outside the embedding (`check_token_ids`).
+    @functools.wraps(LlamaModel.forward)
+    def forward(self, input_ids: torch.LongTensor | None = None, *args, **kwargs) -> BaseModelOutputWithPast:
+        check_cache_argument(kwargs)
+        if input_ids is not None:
             check_token_ids(input_ids, self.embed_tokens.num_embeddings)  # not config.vocab_size: resizing
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{CACHE_KWARG: cache},
-        )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                **{CACHE_KWARG: cache},  # the library's name: its gradient checkpointing drops the cache by name
-                **kwargs,
-            )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_KWARG: cache})
+        return super().forward(input_ids, *args, **kwargs)
 
 
-class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
+class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM):
     def __init__(self, config: DiffConfig):
-        super().__init__(config)
+        PreTrainedModel.__init__(self, config)  # LlamaForCausalLM's modules, with a DiffModel
         self.model = DiffModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -689,8 +543,7 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
 
     def _get_static_cache_init_shape(self) -> tuple[list[int], list[int]] | None:
         """Shapes for `generate`'s early static-cache allocation (chunked prefill), read per layer from
-        `DiffConfig.per_layer_config` as transformers >= 5.24 reads them (earlier versions read the global
-        num_key_value_heads x head_dim); each of n tensor-parallel ranks holds 1/n of every layer's kv heads. None
+        `DiffConfig.per_layer_config`; each of n tensor-parallel ranks holds 1/n of every layer's kv heads. None
         (allocation by the first forward) for layers spread over devices or keys and values of different widths,
         as transformers does."""
         layers = self.config.per_layer_config
@@ -705,41 +558,6 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
         with frozen_lambdas(self):
             return super().generate(*args, **kwargs)
-
-    @takes_cache_alias
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
 
 
 class DiffForSequenceClassification(GenericForSequenceClassification, DiffPreTrainedModel): ...
@@ -777,14 +595,14 @@ def diff_flash_standard_attention(module: nn.Module, *args, **kwargs):
     other model that asks for it gets this error instead of a silent substitute."""
     if not isinstance(module, ATTENTION_CLASSES):
         raise ValueError(
-            f"attn_implementation='{FUSED_IMPLEMENTATION}' is the Differential Transformer's fused kernel and has no "
+            f"attn_implementation='{DIFF_FLASH}' is the Differential Transformer's fused kernel and has no "
             f"meaning for {type(module).__name__}; use 'sdpa', 'eager' or another transformers backend"
         )
     return sdpa_attention_forward(module, *args, **kwargs)
 
 
-ALL_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, diff_flash_standard_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_IMPLEMENTATION, sdpa_mask)
+ALL_ATTENTION_FUNCTIONS.register(DIFF_FLASH, diff_flash_standard_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_FLASH, sdpa_mask)
 
 __all__ = [
     "DiffPreTrainedModel",

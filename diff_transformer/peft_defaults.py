@@ -1,7 +1,7 @@
 """Default PEFT targets for `model_type="diff_transformer"`, so `LoraConfig()` works without `target_modules`.
 
 LoRA targets every attention and MLP projection. Other PEFT methods reuse their Llama defaults, since the
-module names follow Llama (docs/design.md §2). The differential parameters are not Linear layers: train them with
+module names follow Llama. The differential parameters are not Linear layers: train them with
 `modules_to_save=DIFF_TRAINABLE_MODULES`.
 
 peft looks the defaults up in its module-level tables by `model.config.model_type` and consults nothing on the

@@ -13,7 +13,7 @@ import os
 import sys
 
 import torch
-from multiprocess import finish
+from results import finish
 from transformers import Trainer, TrainingArguments
 
 from diff_transformer import DiffConfig, DiffForCausalLM

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ddp_train import GLOBAL_BATCH, STEPS, tiny_model_and_data
-from multiprocess import finish
+from results import finish
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from reference import assert_close
+from helpers import assert_close
 
 PAD = (0, 5)  # left padding per batch row in "padmask" cases
 

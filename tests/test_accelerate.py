@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 from multiprocess import assert_same_losses, launch
-from reference import assert_close, tiny_config
+from helpers import assert_close, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM

@@ -12,7 +12,7 @@ backward on CPU, so only its forward is checked there. diff_flash runs under the
 import pytest
 import torch
 from kernel_cases import Case, check_against_reference, empty_rows, key_valid, leaves, padding_mask, seeded_randn
-from reference import tiny_config
+from helpers import tiny_config
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
 from diff_transformer import modeling_diff
@@ -21,7 +21,7 @@ from diff_transformer.kernel_naive import naive_packed_diff_attention
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 NAMES = ("out", "dq", "dk", "dv", "dlam")
-# The entry of reference.TOLERANCES for each implementation's kernel: eager computes in fp32 as the tiled kernel does.
+# The entry of helpers.TOLERANCES for each implementation's kernel: eager computes in fp32 as the tiled kernel does.
 TOLERANCE_KIND = {"eager": "tiled", "sdpa": "sdpa", "flex_attention": "sdpa", "diff_flash": "diff_flash"}
 
 

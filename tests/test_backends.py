@@ -9,12 +9,12 @@ import importlib.util
 
 import pytest
 import torch
-from reference import DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, left_padded, tiny_config
+from helpers import DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, left_padded, tiny_config
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer import modeling_diff
-from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.modeling_diff import DIFF_FLASH, triton_available
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
@@ -29,13 +29,13 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 TRAIN_BACKENDS = [
     pytest.param("sdpa"),
     pytest.param("flash_attention_2", marks=needs_flash),
-    pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton),
+    pytest.param(DIFF_FLASH, marks=needs_triton),
     pytest.param("flex_attention", marks=gpu),  # no flex backward on CPU
 ]
 DECODE_BACKENDS = [
     pytest.param("sdpa"),
     pytest.param("flash_attention_2", marks=needs_flash),
-    pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton),
+    pytest.param(DIFF_FLASH, marks=needs_triton),
     pytest.param("flex_attention", marks=gpu),  # cached flex decode hits an inductor C++ compile error on CPU
 ]
 
@@ -141,7 +141,7 @@ def test_left_padded_batch_generation_equals_one_by_one(backend):
         assert torch.equal(together[i, batch.shape[1]:], alone[0, len(p):]), f"{backend}: prompt {i} differs batched"
 
 
-@pytest.mark.parametrize("backend", [pytest.param("sdpa"), pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton)])
+@pytest.mark.parametrize("backend", [pytest.param("sdpa"), pytest.param(DIFF_FLASH, marks=needs_triton)])
 @PADDED
 def test_static_cache_prefill_and_decode_match_eager(backend, padded):
     """A static cache hands prefill S = max_cache_len > T keys (unfilled slots) with a skipped (None) sdpa mask:
@@ -172,15 +172,15 @@ def test_fused_kernel_receives_expected_masks(monkeypatch):
     """How the sdpa mask reaches diff_flash: None (no padding: prefill T == S, decode T == 1), bool [B, 1, T, S]
     (left padding; static-cache decode). With a static cache the skipped prefill mask comes with S > T."""
     seen = []
-    fused = modeling_diff.DIFF_KERNELS[FUSED_IMPLEMENTATION]
+    fused = modeling_diff.DIFF_KERNELS[DIFF_FLASH]
 
     def spy(module, q, k, v, lam, attention_mask, scaling, **kwargs):
         mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
         seen.append((q.shape[2], k.shape[2], mask))
         return fused(module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
-    monkeypatch.setitem(modeling_diff.DIFF_KERNELS, FUSED_IMPLEMENTATION, spy)
-    model = build(FUSED_IMPLEMENTATION)
+    monkeypatch.setitem(modeling_diff.DIFF_KERNELS, DIFF_FLASH, spy)
+    model = build(DIFF_FLASH)
     tokens, mask = batch_and_mask(padded=True, length=6)
     model.generate(tokens, max_new_tokens=2, do_sample=False)
     assert seen == [(6, 6, None), (1, 7, None)]
@@ -197,7 +197,7 @@ def test_fused_kernel_receives_expected_masks(monkeypatch):
 @needs_triton
 def test_fused_greedy_generation_matches_eager_and_full_forward():
     """GQA, B2-T6: diff_flash cached greedy tokens equal eager's and an uncached argmax loop (6 new tokens)."""
-    model, ref = build(FUSED_IMPLEMENTATION), build("eager")
+    model, ref = build(DIFF_FLASH), build("eager")
     prompt = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(generated, ref.generate(prompt, max_new_tokens=6, do_sample=False))
@@ -215,10 +215,10 @@ def test_fused_from_pretrained_and_set_attn_implementation(tmp_path):
     with torch.no_grad():
         ref = model(tokens).logits
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=FUSED_IMPLEMENTATION).to(DEVICE)
-    assert loaded.config._attn_implementation == FUSED_IMPLEMENTATION
-    model.set_attn_implementation(FUSED_IMPLEMENTATION)
-    assert model.config._attn_implementation == FUSED_IMPLEMENTATION
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=DIFF_FLASH).to(DEVICE)
+    assert loaded.config._attn_implementation == DIFF_FLASH
+    model.set_attn_implementation(DIFF_FLASH)
+    assert model.config._attn_implementation == DIFF_FLASH
     with torch.no_grad():
         for m in (loaded.eval(), model):
             assert_close(m(tokens).logits, ref, torch.float32, "diff_flash logits after load / set", "backend")
@@ -227,4 +227,4 @@ def test_fused_from_pretrained_and_set_attn_implementation(tmp_path):
 def test_fused_unavailable_raises_clear_error(monkeypatch):
     monkeypatch.setattr(modeling_diff, "triton_available", lambda: (False, "no CUDA GPU (test)"))
     with pytest.raises(ValueError, match=r"attn_implementation='diff_flash' is unavailable: no CUDA GPU \(test\)"):
-        DiffForCausalLM._from_config(tiny_config(), attn_implementation=FUSED_IMPLEMENTATION)
+        DiffForCausalLM._from_config(tiny_config(), attn_implementation=DIFF_FLASH)

@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 import torch
-from reference import STACKS, assert_close, build_stack
+from helpers import STACKS, assert_close, build_stack
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from diff_transformer.modeling_diff import CACHE_KWARG, FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.modeling_diff import CACHE_KWARG, DIFF_FLASH, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
-BACKENDS = ["eager", "sdpa", pytest.param(FUSED_IMPLEMENTATION, marks=needs_triton)]
+BACKENDS = ["eager", "sdpa", pytest.param(DIFF_FLASH, marks=needs_triton)]
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
@@ -36,17 +36,24 @@ def test_cache_under_either_name_continues_the_sequence(backend, stack, name):
         assert_close(logits, full[:, 5 + step], torch.float32, f"{backend} {stack} step {step} via {name}")
 
 
-def test_both_names_at_once_raise():
+def test_both_names_at_once_are_never_silent():
+    """Where transformers names the cache `cache`, its own deprecation handling warns that it ignores
+    `past_key_values`, as for Llama; before the rename the model refuses the pair."""
     model = build_stack("sdpa", "V1-GQA")
-    with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
-        model(torch.tensor([[5, 6]]), cache=DynamicCache(), past_key_values=DynamicCache())
+    both = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    if CACHE_KWARG == "cache":
+        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
+            model(torch.tensor([[5, 6]]), **both)
+    else:
+        with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+            model(torch.tensor([[5, 6]]), **both)
 
 
 @pytest.mark.parametrize("name", ["past", "layer_past", "past_key_value", "my_cache"])
 def test_cache_under_a_foreign_name_raises(name):
     """A cache object (or a historical cache argument name) that no layer would read is an error, not a no-op."""
     model = build_stack("sdpa", "V1-GQA")
-    with pytest.raises(TypeError, match="pass the cache as `cache`"):
+    with pytest.raises(TypeError, match=f"pass the cache as `{CACHE_KWARG}`"):
         model(torch.tensor([[5, 6]]), **{name: DynamicCache()})
 
 

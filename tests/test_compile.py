@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import StaticCache
 
 from diff_transformer import DiffForCausalLM

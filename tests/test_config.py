@@ -9,7 +9,7 @@ import types
 from collections.abc import Callable
 
 import pytest
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import LlamaConfig
 
 from diff_transformer import DiffConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import (
     AutoTokenizer,
     GPT2Config,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 

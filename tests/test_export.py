@@ -6,7 +6,7 @@ train`), trained for a few steps."""
 
 import pytest
 import torch
-from reference import STACKS, assert_close, build_stack
+from helpers import STACKS, assert_close, build_stack
 from torch.export import Dim
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM

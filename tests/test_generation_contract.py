@@ -10,7 +10,7 @@ transformers' own machinery (early static allocation, cropping in assisted decod
 
 import pytest
 import torch
-from reference import STACKS, assert_close, build_stack
+from helpers import STACKS, assert_close, build_stack
 from transformers import CompileConfig, StaticCache
 from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_close, build_stack
+from helpers import assert_close, build_stack
 
 import diff_transformer.kernel_diff_flash as kernels
-from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, select_kernel
+from diff_transformer.modeling_diff import DIFF_FLASH, select_kernel
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"
 spec = importlib.util.spec_from_file_location("kernel_fit", SCRIPT)
@@ -70,7 +70,7 @@ def test_tile_table_lookup():
 def test_unsupported_head_dims_are_routed_with_a_warning():
     q, k, v = torch.empty(1, 4, 8, 24), torch.empty(1, 1, 8, 48), torch.empty(1, 1, 8, 48)
     with pytest.warns(UserWarning, match="diff_flash cannot run head dims d=24, dv=48.*standard attention calls"):
-        assert select_kernel(FUSED_IMPLEMENTATION, q, k, v) == "standard_calls"
+        assert select_kernel(DIFF_FLASH, q, k, v) == "standard_calls"
 
 
 @pytest.mark.skipif(not kernels.triton_available()[0], reason="needs triton (a GPU or TRITON_INTERPRET=1)")
@@ -84,7 +84,7 @@ def test_unfit_model_runs_the_standard_calls(case, monkeypatch):
             pytest.skip("simulates a GPU through the interpreter's target")
         monkeypatch.setattr(kernels, "INTERPRETER_TARGET", 75)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_stack(FUSED_IMPLEMENTATION, "V1-GQA", **overrides).to(device)
+    model = build_stack(DIFF_FLASH, "V1-GQA", **overrides).to(device)
     reference = build_stack("eager", "V1-GQA", **overrides).to(device)
     tokens = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(3)).to(device)
     with pytest.warns(UserWarning, match="diff_flash cannot run") as caught:

@@ -3,11 +3,11 @@ other models' attention alone (issue #20)."""
 
 import pytest
 import torch
-from reference import build_stack
+from helpers import build_stack
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import capture_branch_attentions
-from diff_transformer.modeling_diff import DIFF_KERNELS, FUSED_IMPLEMENTATION, select_kernel
+from diff_transformer.modeling_diff import DIFF_KERNELS, DIFF_FLASH, select_kernel
 
 
 def inputs(length: int, d: int = 32, dv: int = 64, device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -21,7 +21,7 @@ def inputs(length: int, d: int = 32, dv: int = 64, device: str = "cpu") -> tuple
     [
         ("eager", 1, 64, "eager"),
         ("eager", 512, 64, "eager"),
-        (FUSED_IMPLEMENTATION, 512, 64, FUSED_IMPLEMENTATION),
+        (DIFF_FLASH, 512, 64, DIFF_FLASH),
         ("sdpa", 1, 64, "sdpa_decode_step"),
         ("sdpa", 1, 32, "tiled"),
         ("sdpa", 128, 64, "standard_calls"),
@@ -62,7 +62,7 @@ def test_diff_flash_is_an_error_for_other_models():
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2)
     llama = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-    llama.config._attn_implementation = FUSED_IMPLEMENTATION
+    llama.config._attn_implementation = DIFF_FLASH
     with pytest.raises(ValueError, match="no meaning for LlamaAttention"):
         llama(torch.tensor([[1, 2, 3]]))
 

@@ -4,7 +4,7 @@ adapter save/load, and merge_and_unload."""
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from reference import tiny_config
+from helpers import tiny_config
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.peft_defaults import DIFF_TRAINABLE_MODULES, LORA_TARGET_MODULES

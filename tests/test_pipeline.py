@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import pipeline, set_seed
 
 from diff_transformer import DiffForCausalLM

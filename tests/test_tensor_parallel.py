@@ -9,7 +9,7 @@ import pytest
 import torch
 import tp_worker
 from multiprocess import torchrun
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffConfig, DiffForCausalLM

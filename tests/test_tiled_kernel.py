@@ -5,7 +5,7 @@ sdpa decode step."""
 import pytest
 import torch
 from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn
-from reference import assert_close
+from helpers import assert_close
 
 from diff_transformer.modeling_diff import sdpa_decode_step
 from diff_transformer.kernel_naive import naive_packed_diff_attention

@@ -2,7 +2,7 @@
 accumulation, safetensors checkpoints, and resume == uninterrupted."""
 
 import torch
-from reference import tiny_config
+from helpers import tiny_config
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from diff_transformer import DiffForCausalLM

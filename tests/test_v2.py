@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from reference import (
+from helpers import (
     DTYPE_HEADS_PADDING,
     HEADS,
     assert_close,
@@ -17,7 +17,7 @@ from reference import (
 from transformers import AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.modeling_diff import FUSED_IMPLEMENTATION, triton_available
+from diff_transformer.modeling_diff import DIFF_FLASH, triton_available
 
 BACKENDS = ["eager", "sdpa"]
 
@@ -122,7 +122,7 @@ def test_v2_diff_flash_runs_layers_through_sdpa():
     """V2 has no fused kernel: with attn_implementation='diff_flash' its layers use the sdpa interface."""
     tokens = torch.randint(3, 97, (2, 8))
     torch.manual_seed(0)
-    fused = build(FUSED_IMPLEMENTATION)
+    fused = build(DIFF_FLASH)
     torch.manual_seed(0)
     sdpa = build("sdpa")
     with torch.no_grad():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-from multiprocess import finish
+from results import finish
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 

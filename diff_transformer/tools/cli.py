@@ -110,7 +110,7 @@ def diff_model_folder(text: str) -> str:
     return text
 
 
-def checkpoint(text: str) -> str:
+def local_folder_or_hub_id(text: str) -> str:
     """A local folder or a Hub id; a missing local folder fails here rather than after a minute of Hub retries."""
     try:
         check_local_path(text)
@@ -329,7 +329,7 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--keys", type=positive_int, default=KeyValueTask.num_keys,
                         help="distinct keys (and values) of the synthetic task")
     parser.add_argument("--attn-implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
-                        help="attention backend (README, 'Attention backends'); diff_flash needs CUDA and triton")
+                        help="attention backend (docs/backends.md); diff_flash needs CUDA and triton")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (also on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, initialisation and order")
     parser.add_argument("--chat-template", action="store_true",
@@ -368,7 +368,7 @@ def run_convert(args: argparse.Namespace) -> None:
 def add_convert_parser(commands, common) -> Parser:
     parser = commands.add_parser("convert", parents=[common], help="convert a Llama/Mistral/Qwen2 or DiffLlama model",
                                  description="Convert a checkpoint into a DIFF model with the same logits.")
-    parser.add_argument("src", type=checkpoint, help="source folder or Hub id")
+    parser.add_argument("src", type=local_folder_or_hub_id, help="source folder or Hub id")
     parser.add_argument("out", help="output folder (model, generation config, tokenizer files)")
     parser.add_argument("--layers", type=parse_layers,
                         help="0-based layers to make differential, e.g. '1-11' or '2,4' (default: all)")

@@ -44,15 +44,15 @@ class NeedleSettings:
     digits: int = 4
 
     def __post_init__(self):
-        require(self.lengths and min(self.lengths) > 0, f"lengths must be positive token counts, got {self.lengths}")
-        require(self.depths and all(0 <= d <= 100 for d in self.depths),
+        check(self.lengths and min(self.lengths) > 0, f"lengths must be positive token counts, got {self.lengths}")
+        check(self.depths and all(0 <= d <= 100 for d in self.depths),
                 f"depths are percentages between 0 and 100, got {self.depths}")
-        require(1 <= self.needles <= len(CITIES),
+        check(1 <= self.needles <= len(CITIES),
                 f"needles must be between 1 and {len(CITIES)} (one city each), got {self.needles}")
-        require(1 <= self.queries <= self.needles,
+        check(1 <= self.queries <= self.needles,
                 f"queries must be between 1 and needles ({self.needles}): the queried needles are among them, "
                 f"got {self.queries}")
-        require(self.samples >= 1 and self.digits >= 1, f"samples and digits must be >= 1, got {self.samples}, "
+        check(self.samples >= 1 and self.digits >= 1, f"samples and digits must be >= 1, got {self.samples}, "
                 f"{self.digits}")
 
 
@@ -67,7 +67,7 @@ class NeedlePrompt:
         return f"{self.context} What is the magic number of {city}? The magic number of {city} is"
 
 
-def require(condition: bool, message: str) -> None:
+def check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
 
@@ -80,7 +80,7 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
     """A word-level tokenizer (such as the synthetic task's) maps the prompts to <unk>, and every answer scores 0."""
     sample = needle(CITIES[0], "1234")
     ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
-    require(tokenizer.unk_token_id is None or tokenizer.unk_token_id not in ids,
+    check(tokenizer.unk_token_id is None or tokenizer.unk_token_id not in ids,
             f"the tokenizer cannot encode the needle text ({sample!r} becomes {tokenizer.decode(ids)!r}); use a "
             "model whose tokenizer covers English text, e.g. one trained with `diff-transformer train --data FILE`")
 
@@ -287,7 +287,7 @@ def last_row_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], l
 
 def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt) -> dict:
     """Answer share and noise (attention to the rest of the context) per layer and their means (eager models)."""
-    require(model.config._attn_implementation == "eager",
+    check(model.config._attn_implementation == "eager",
             f"attention_noise reads attention maps, which only eager attention returns, but the model runs "
             f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
             "model.set_attn_implementation(\"eager\") first")
@@ -377,12 +377,12 @@ def magnitude_stats(values: list[torch.Tensor], top_k: int) -> dict:
 
 def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
     """Table 5: attention logits (causal entries, per layer) and hidden states (every layer output)."""
-    require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
-    require(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
+    check(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    check(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
     logits: list[torch.Tensor] = []
 
     def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = kwargs["hidden_states"]  # Llama's decoder layer passes it by name
         scores = attention_logits(module, hidden, kwargs["position_embeddings"])
         logits.append(scores[..., torch.ones(scores.shape[-2:], dtype=torch.bool).tril()])
 

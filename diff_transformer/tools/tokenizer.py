@@ -77,11 +77,11 @@ def train_on_files(tokenizer: Tokenizer, files: list[str], trainer: trainers.Tra
     except Exception as error:
         if "UTF-8" not in str(error):
             raise
-        binary = [f for f in files if not utf8(Path(f).read_bytes())]
+        binary = [f for f in files if not is_utf8(Path(f).read_bytes())]
         raise ValueError(f"not UTF-8 text: {binary}; give plain text files (convert with iconv -t utf-8)") from error
 
 
-def utf8(data: bytes) -> bool:
+def is_utf8(data: bytes) -> bool:
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:

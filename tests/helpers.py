@@ -1,8 +1,7 @@
-"""Independent fp64 reference of differential attention, written from docs/design.md (arXiv 2410.05258), per head,
-and what every test compares with: `assert_close` and its tolerance table, tiny configs and models, padding.
-
-The reference reads raw weight matrices only (no model code), so it checks the weight row layout of
-docs/design.md as well.
+"""What the tests share: `assert_close` and its tolerance table, tiny configs and models, padding, and a whole
+attention layer in fp64 from its raw weight matrices (`reference_diff_attention`: projections, RoPE, SubLN and the
+output projection written from docs/design.md, the attention itself the package's one fp64 reference,
+`naive_diff_attention`). Reading raw weights (no model code) checks the weight row layout as well.
 """
 
 import math
@@ -14,6 +13,7 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig
+from diff_transformer.kernel_naive import naive_diff_attention
 from diff_transformer.modeling_diff import CACHE_KWARG
 
 
@@ -106,7 +106,7 @@ def paper_lambda_init(layer_idx: int) -> float:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama rotate_half RoPE over the last dim of x [T, d]."""
+    """Llama rotate_half RoPE over the last dim of x [..., T, d]."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = positions.double()[:, None] * inv_freq[None]
@@ -121,41 +121,47 @@ def reference_lambda(weights: dict, config: DiffConfig, layer_idx: int) -> tuple
     return torch.exp(weights["lq1"] @ weights["lk1"]) - torch.exp(weights["lq2"] @ weights["lk2"]) + lam_init, lam_init
 
 
-def reference_head_maps(xb: torch.Tensor, weights: dict, config: DiffConfig, j: int, allowed: torch.Tensor):
-    """Differential head j of one sequence xb [T, hidden]: softmax maps A1, A2 [T, T] (fully masked rows 0)."""
-    h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    theta, pos, m = config.rope_parameters["rope_theta"], torch.arange(xb.shape[0]), j // (h // h_kv)
-    q1 = rope(xb @ weights["q"][j * d : (j + 1) * d].T, pos, theta)
-    q2 = rope(xb @ weights["q"][(h + j) * d : (h + j + 1) * d].T, pos, theta)
-    k1 = rope(xb @ weights["k"][m * d : (m + 1) * d].T, pos, theta)
-    k2 = rope(xb @ weights["k"][(h_kv + m) * d : (h_kv + m + 1) * d].T, pos, theta)
-    a1 = torch.softmax((q1 @ k1.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
-    a2 = torch.softmax((q2 @ k2.T / math.sqrt(d)).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
-    return a1, a2
+def reference_projections(x: torch.Tensor, weights: dict, config: DiffConfig) -> tuple[torch.Tensor, ...]:
+    """x [B, T, hidden] -> rotated q1, q2 [B, h, T, d], k1, k2 [B, h_kv, T, d] and v [B, h_kv, T, dv] from the raw
+    fp64 weights q, k, v, laid out as docs/design.md section 2 says."""
+    h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
+    batch, length, _ = x.shape
+    positions, theta = torch.arange(length), config.rope_parameters["rope_theta"]
+    q = rope((x @ weights["q"].T).view(batch, length, 2 * h, d).transpose(1, 2), positions, theta)  # [B, 2h, T, d]
+    k = rope((x @ weights["k"].T).view(batch, length, 2 * h_kv, d).transpose(1, 2), positions, theta)
+    v = (x @ weights["v"].T).view(batch, length, h_kv, dv).transpose(1, 2)  # [B, h_kv, T, dv]
+    return q[:, :h], q[:, h:], k[:, :h_kv], k[:, h_kv:], v
+
+
+def causal_allowed(length: int, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query may attend: [1 | B, 1, T, T], causal and (with key_valid [B, T]) not padding."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    return allowed if key_valid is None else allowed & key_valid.bool()[:, None, None, :]
 
 
 def reference_diff_attention(x, weights: dict, config: DiffConfig, layer_idx: int, key_valid=None):
-    """x [B, T, hidden] -> [B, T, hidden]; weights: q, k, v, o, lq1, lk1, lq2, lk2, subln (fp64 tensors)."""
-    h, h_kv, dv = config.num_attention_heads, config.num_key_value_heads, config.value_head_dim
+    """x [B, T, hidden] -> [B, T, hidden] from the raw fp64 weights q, k, v, o, lq1, lk1, lq2, lk2, subln; the
+    attention itself is `naive_diff_attention`."""
+    q1, q2, k1, k2, v = reference_projections(x, weights, config)
     lam, lam_init = reference_lambda(weights, config, layer_idx)
-    batch, length, _ = x.shape
-    outputs = []
-    for b in range(batch):
-        allowed = torch.ones(length, length).tril().bool()
-        if key_valid is not None:
-            allowed = allowed & key_valid[b][None, :].bool()
-        heads = []
-        for j in range(h):
-            m = j // (h // h_kv)
-            a1, a2 = reference_head_maps(x[b], weights, config, j, allowed)
-            v = x[b] @ weights["v"][m * dv : (m + 1) * dv].T
-            head = (a1 - lam * a2) @ v
-            if config.use_subln:
-                head = head * torch.rsqrt(head.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
-                head = (1 - lam_init) * head * weights["subln"]
-            heads.append(head)
-        outputs.append(torch.cat(heads, -1) @ weights["o"].T)
-    return torch.stack(outputs)
+    mask = causal_allowed(x.shape[1], key_valid)
+    heads = naive_diff_attention(q1, q2, k1, k2, v, lam, config.head_dim**-0.5, mask=mask)  # [B, h, T, dv]
+    if config.use_subln:
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        heads = (1 - lam_init) * heads * weights["subln"]
+    return heads.transpose(1, 2).flatten(2) @ weights["o"].T
+
+
+def reference_branch_maps(x: torch.Tensor, weights: dict, config: DiffConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal softmax maps A1, A2 [B, h, T, T] of x [B, T, hidden]: `naive_diff_attention` with lambda 0 and
+    V = the identity (so its output is A1), and with the branches swapped for A2."""
+    q1, q2, k1, k2, _ = reference_projections(x, weights, config)
+    batch, length = x.shape[:2]
+    identity = torch.eye(length, dtype=x.dtype).expand(batch, k1.shape[1], length, length)  # [B, h_kv, S, S]
+    zero, scaling, mask = torch.zeros((), dtype=x.dtype), config.head_dim**-0.5, causal_allowed(length, None)
+    a1 = naive_diff_attention(q1, q2, k1, k2, identity, zero, scaling, mask=mask)
+    a2 = naive_diff_attention(q2, q1, k2, k1, identity, zero, scaling, mask=mask)
+    return a1, a2
 
 
 def attention_params(attn) -> dict[str, torch.nn.Parameter]:
