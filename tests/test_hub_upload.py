@@ -1,6 +1,6 @@
 """`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
-clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written; clear errors for bad
-input."""
+clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written; clear errors
+for bad input."""
 
 import json
 import os
@@ -48,7 +48,7 @@ def prepared(tmp_path_factory):
     config["max_position_embeddings"] = CONTEXT  # a short context keeps generation with the folder's defaults short
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").unlink()
-    result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in docs/ecosystem.md
+    result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in docs/
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
 
