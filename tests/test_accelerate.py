@@ -1,6 +1,6 @@
 """accelerate integration (issue #4): device_map="auto" loading, init_empty_weights, and 2-process data-parallel
-training (torchrun and the README's `accelerate launch` config, gloo on CPU) that matches one process with the same
-global batch."""
+training (torchrun and docs/ecosystem.md's `accelerate launch` config, gloo on CPU) that matches one process with the
+same global batch."""
 
 import json
 import sys
@@ -61,7 +61,7 @@ def single_process(tmp_path_factory) -> dict:
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"],
-    # the README's command: accelerate 1.15 starts one process for a MULTI_CPU config, so this checks it starts two
+    # docs/ecosystem.md's command: accelerate 1.15 starts one process for a MULTI_CPU config; this checks it starts two
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(ROOT / "configs" / "accelerate_cpu_ddp.yaml")],
 }

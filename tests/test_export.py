@@ -1,4 +1,4 @@
-"""Export of the README's model (issue #15): `torch.export` with dynamic batch and sequence up to the model's
+"""The export routes of docs/export.md (issue #15): `torch.export` with dynamic batch and sequence up to the model's
 context, ONNX through `torch.onnx.export(dynamo=True)` run by onnxruntime, and transformers' ExecuTorch recipe
 (`TorchExportableModuleForDecoderOnlyLM`, unmodified: it allocates the static cache from the config), each against
 the eager model. The model is the README main job's (`diff-transformer

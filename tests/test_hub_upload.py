@@ -1,6 +1,6 @@
 """`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
-clients expect and a valid model card; the README's and the card's client calls run as written; clear errors for bad
-input."""
+clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written; clear errors
+for bad input."""
 
 import json
 import os
@@ -48,7 +48,7 @@ def prepared(tmp_path_factory):
     config["max_position_embeddings"] = CONTEXT  # a short context keeps generation with the folder's defaults short
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").unlink()
-    result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in README
+    result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in docs/
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
 
@@ -130,7 +130,7 @@ def documented_calls(markdown: str, repo_id: str, folder: Path) -> str:
 
 def test_readme_and_model_card_calls_run_without_package(prepared, tmp_path):
     folder = prepared[0]
-    section = (ROOT / "README.md").read_text().split("### Publishing to the Hub")[1].split("\n### ")[0]
+    section = (ROOT / "docs" / "ecosystem.md").read_text().split("\n## Publishing to the Hub\n")[1].split("\n## ")[0]
     readme = documented_calls(section, "my-user/diff-tiny", folder) + DOCUMENTED_CALLS_CHECK
     card = documented_calls((folder / "README.md").read_text(), "someone/diff-tiny", folder) + DOCUMENTED_CALLS_CHECK
     output = run_without_package(readme + card, tmp_path)

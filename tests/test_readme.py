@@ -1,10 +1,11 @@
-"""Every code block of the README runs as written (issue #18).
+"""Every code block of the README and of the docs pages runs as written (issues #18, #30).
 
-The blocks run in README order, as a reader runs them: in one working folder (with the repository's `tests/`,
-`configs/` and `hub_upload.py` beside them, as in a clone) and one Python namespace, so a snippet may use what an
-earlier one defined. The placeholders the README names (`my_corpus.txt`, `path/to/llama`, `out/my-model`,
-`out/llama-baseline`) are made first. Each block needs an entry in BLOCKS, so a new or changed block cannot go
-untested; a test runs the blocks before its own that it has not run yet.
+The blocks run in the order of PAGES (the README first, then docs/ as its links lead on), as a reader runs them: in
+one working folder (with the repository's `tests/`, `configs/` and `examples/` beside them, as in a clone) and one
+Python namespace, so a snippet may use what an earlier one defined. The placeholders the pages name
+(`my_corpus.txt`, `path/to/llama`, `out/my-model`, `out/llama-baseline`) are made first. Each block needs an entry in
+BLOCKS, and each docs page an entry in PAGES, so a new or changed block cannot go untested; a test runs the blocks
+before its own that it has not run yet. Relative links between the pages must point at files that exist.
 """
 
 import os
@@ -25,6 +26,11 @@ from diff_transformer.tools.evaluation import CITIES, FILLER, needle
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# Reading order. A page not yet written (PENDING) is skipped, and links to it are allowed, until it lands.
+PAGES = ("README.md", "docs/backends.md", "docs/ecosystem.md", "docs/export.md", "docs/conversion.md",
+         "docs/evaluation.md", "docs/troubleshooting.md", "docs/versions.md", "docs/serving.md", "docs/design.md",
+         "docs/kernels.md")
+PENDING = {"docs/serving.md"}  # the vLLM serving page (issue #31), written on another branch
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP = "skip: "
 # A text that identifies each block -> how it is tested: "fast" (default run), "slow", "gpu", "isolated" (slow, in a
@@ -53,7 +59,7 @@ BLOCKS = {
     'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)': "slow",
     "configs/deepspeed_zero3.json  # CPU, gloo, via Trainer": SKIP + "needs deepspeed; tests/test_sharded.py runs the "
     "CPU line where it is installed",
-    "python hub_upload.py runs/my-model my-user/diff-tiny --dry-run": "slow",
+    "diff-transformer upload runs/my-model my-user/diff-tiny --dry-run": "slow",
     'from_pretrained("my-user/diff-tiny", trust_remote_code=True)': SKIP + "downloads from the Hub (the same calls "
     "on a local folder run in tests/test_hub_upload.py)",
     "class Logits(torch.nn.Module):": "slow",
@@ -64,27 +70,34 @@ BLOCKS = {
     "diff-transformer attention-noise out/my-model": "slow",
 }
 # lines of a run block left out: an upload needs the network and a real token
-LEFT_OUT = ("HF_TOKEN=hf_... python hub_upload.py",)
+LEFT_OUT = ("HF_TOKEN=hf_... diff-transformer upload",)
 
 
 @dataclass
 class Block:
     index: int
+    page: str
     language: str
     code: str
     mode: str
 
     @property
     def name(self) -> str:
-        return f"{self.index:02d}-{self.language}-{self.code.splitlines()[0][:40]}"
+        return f"{self.index:02d}-{Path(self.page).stem}-{self.language}-{self.code.splitlines()[0][:40]}"
+
+
+def present_pages() -> list[str]:
+    return [page for page in PAGES if page not in PENDING or (ROOT / page).is_file()]
 
 
 def readme_blocks() -> list[Block]:
     blocks = []
-    for index, match in enumerate(FENCE.finditer((ROOT / "README.md").read_text(encoding="utf-8"))):
-        language, code = match.groups()
-        modes = [mode for key, mode in BLOCKS.items() if key in code]
-        blocks.append(Block(index, language, code, modes[0] if len(modes) == 1 else f"unmapped ({len(modes)} keys)"))
+    for page in present_pages():
+        for match in FENCE.finditer((ROOT / page).read_text(encoding="utf-8")):
+            language, code = match.groups()
+            modes = [mode for key, mode in BLOCKS.items() if key in code]
+            mode = modes[0] if len(modes) == 1 else f"unmapped ({len(modes)} keys)"
+            blocks.append(Block(len(blocks), page, language, code, mode))
     return blocks
 
 
@@ -96,7 +109,7 @@ def marks(mode: str) -> list:
     return [pytest.mark.slow] if mode in ("slow", "isolated") else []
 
 
-README_BLOCKS = readme_blocks()
+DOC_BLOCKS = readme_blocks()
 
 
 def corpus(path: Path) -> None:
@@ -117,8 +130,8 @@ def save_llama(path: Path, tokenizer, layers: int) -> None:
 
 
 def make_placeholders(folder: Path) -> None:
-    """What the README assumes the reader has, and the repository files its commands name."""
-    for name in ("tests", "configs", "hub_upload.py"):
+    """What the pages assume the reader has, and the repository files their commands name."""
+    for name in ("tests", "configs", "examples"):
         (folder / name).symlink_to(ROOT / name)
     corpus(folder / "my_corpus.txt")
     torch.manual_seed(0)
@@ -136,7 +149,7 @@ def run_code(block: Block, folder: Path, namespace: dict) -> None:
         previous = os.getcwd()
         os.chdir(folder)
         try:
-            exec(compile(block.code, f"README block {block.name}", "exec"), namespace)
+            exec(compile(block.code, f"block {block.name}", "exec"), namespace)
         finally:
             os.chdir(previous)
         return
@@ -145,7 +158,7 @@ def run_code(block: Block, folder: Path, namespace: dict) -> None:
            "PYTHONPATH": str(ROOT)}
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env, capture_output=True,
                             text=True, timeout=1800)
-    assert result.returncode == 0, f"README block {block.name} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"block {block.name} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
 
 
 class Walkthrough:
@@ -155,7 +168,7 @@ class Walkthrough:
         self.folder, self.namespace, self.done = folder, {}, set()
 
     def run_through(self, block: Block) -> None:
-        for earlier in README_BLOCKS[: block.index + 1]:
+        for earlier in DOC_BLOCKS[: block.index + 1]:
             if earlier.index not in self.done and earlier.mode in ("fast", "slow"):
                 self.done.add(earlier.index)
                 run_code(earlier, self.folder, self.namespace)
@@ -169,15 +182,47 @@ def walkthrough(tmp_path_factory) -> Walkthrough:
 
 
 def test_every_block_is_mapped():
-    unmapped = [b.name for b in README_BLOCKS if b.mode not in ("fast", "slow", "gpu", "isolated")
+    unmapped = [b.name for b in DOC_BLOCKS if b.mode not in ("fast", "slow", "gpu", "isolated")
                 and not b.mode.startswith(SKIP)]
-    assert not unmapped, f"README blocks with no (or several) entries in BLOCKS: {unmapped}"
-    matches = {key: sum(key in b.code for b in README_BLOCKS) for key in BLOCKS}
-    assert all(n == 1 for n in matches.values()), f"each BLOCKS entry must match one README block: {matches}"
+    assert not unmapped, f"blocks with no (or several) entries in BLOCKS: {unmapped}"
+    matches = {key: sum(key in b.code for b in DOC_BLOCKS) for key in BLOCKS}
+    assert all(n == 1 for n in matches.values()), f"each BLOCKS entry must match one block: {matches}"
+
+
+def test_every_docs_page_is_read():
+    pages = {f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md")}
+    assert pages <= set(PAGES), f"docs pages missing from PAGES, so their blocks would not run: {pages - set(PAGES)}"
+    missing = [page for page in PAGES if page not in PENDING and not (ROOT / page).is_file()]
+    assert not missing, f"PAGES names pages that do not exist: {missing}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file (lower case, punctuation dropped, spaces as hyphens)."""
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in present_pages():
+        for target in LINK.findall((ROOT / page).read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = ((ROOT / page).parent / file).resolve() if file else ROOT / page
+            if path.relative_to(ROOT).as_posix() in PENDING:
+                continue
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
+                broken.append(f"{page}: {target}")
+    assert not broken, f"links to files or headings that do not exist: {broken}"
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, marks=marks(b.mode), id=b.name)
-                                   for b in README_BLOCKS if b.mode != "isolated"])
+                                   for b in DOC_BLOCKS if b.mode != "isolated"])
 def test_readme_block_runs(walkthrough, block):
     walkthrough.run_through(block)
 
@@ -192,7 +237,7 @@ def repository_copy(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in README_BLOCKS if b.mode == "isolated"], ids=lambda b: b.name)
+@pytest.mark.parametrize("block", [b for b in DOC_BLOCKS if b.mode == "isolated"], ids=lambda b: b.name)
 def test_readme_main_command_on_a_fresh_copy(tmp_path, block):
     """The README's main job in a fresh venv (pip install from the package index), as it claims."""
     clone = repository_copy(tmp_path / "clone")
