@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
+# a submodule, not "vllm": without vLLM installed, this folder (tests/vllm, on sys.path) imports as a namespace package
+pytest.importorskip("vllm.entrypoints.llm")
+import vllm  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
