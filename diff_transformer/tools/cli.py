@@ -26,6 +26,7 @@ from .. import DiffConfig, DiffForCausalLM
 from ..configuration_diff import check_local_path, check_model_type
 from .data import KeyValueTask, TokenBlocks, read_text_file, retrieval_accuracy, task_dataset, text_file_dataset
 from .evaluation import CITIES
+from ..serving import add_serve_arguments, serve
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
@@ -481,12 +482,20 @@ def add_upload_parser(commands, common) -> Parser:
     return parser
 
 
+def add_serve_parser(commands, common) -> Parser:
+    parser = commands.add_parser("serve", parents=[common], help="serve a saved folder with vLLM (OpenAI API)",
+                                 description="Start vLLM's OpenAI-compatible server on a saved DIFF model folder.")
+    add_serve_arguments(parser)
+    parser.set_defaults(func=serve)
+    return parser
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
     common = common_options()
     for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
-                add_attention_noise_parser, add_outliers_parser, add_upload_parser):
+                add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser):
         command = add(commands, common)
         command.set_defaults(command_parser=command)
     return parser

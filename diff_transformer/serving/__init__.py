@@ -1,0 +1,45 @@
+"""Serving DIFF Transformer folders with vLLM. `register` is the `vllm.general_plugins` entry point, which vLLM runs
+in each of its processes; `serve` starts vLLM's OpenAI-compatible server on a folder. vLLM is imported only inside
+these functions, so `import diff_transformer` never needs it."""
+
+from .server import add_serve_arguments, serve
+
+ARCHITECTURE = "DiffForCausalLM"
+MODEL_CLASS = "diff_transformer.serving.vllm_model:DiffForCausalLM"
+TRANSFORMERS_BACKEND_ERROR = (
+    "DIFF Transformer folders cannot run on vLLM's Transformers backend (it sizes attention from "
+    "num_attention_heads and would give wrong tokens); drop model_impl='transformers' / --model-impl transformers "
+    "and vLLM serves them with the diff-transformer plugin"
+)
+
+
+def register() -> None:
+    """Register `DiffConfig` with transformers' AutoConfig (so vLLM reads a folder without trust_remote_code), the
+    native model with vLLM's registry, and refuse vLLM's Transformers backend for DIFF folders."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from ..configuration_diff import DiffConfig
+
+    AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    guard_transformers_backend(ModelRegistry, DiffConfig.model_type)
+
+
+def guard_transformers_backend(registry, model_type: str) -> None:
+    """Make the registry's Transformers-backend resolution raise `TRANSFORMERS_BACKEND_ERROR` for `model_type`."""
+    resolve = registry._try_resolve_transformers
+    if getattr(resolve, "diff_guard", False):
+        return
+
+    def guarded(architecture, model_config):
+        if getattr(model_config.hf_config, "model_type", None) == model_type:
+            raise ValueError(TRANSFORMERS_BACKEND_ERROR)
+        return resolve(architecture, model_config)
+
+    guarded.diff_guard = True
+    registry._try_resolve_transformers = guarded
+
+
+__all__ = ["register", "serve", "add_serve_arguments"]
