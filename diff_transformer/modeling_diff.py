@@ -283,7 +283,27 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
     return "standard_calls"
 
 
-class DiffAttention(nn.Module):
+class DifferentialAttentionBase(nn.Module):
+    """What V1 and V2 layers share: project, cache, `attend` (the subclass's differential heads [B, T, h, width],
+    fp32), then o_proj."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        cache = kwargs.pop(CACHE_KWARG, None)
+        q, k, v = self.project(hidden_states, position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out, attn_map = self.attend(hidden_states, q, k, v, attention_mask, **kwargs)
+        return self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1)), attn_map
+
+
+class DiffAttention(DifferentialAttentionBase):
     """Differential multi-head attention (paper §2.1). q_proj rows are [branch-1 sub-heads | branch-2 sub-heads],
     k_proj rows likewise for the kv heads, v_proj h_kv heads of width dv."""
 
@@ -329,23 +349,11 @@ class DiffAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, length, -1, self.value_head_dim).transpose(1, 2)  # [B, h_kv, T, dv]
         return q, k, v
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, length, _ = hidden_states.shape
-        cache = kwargs.pop(CACHE_KWARG, None)
-        q, k, v = self.project(hidden_states, position_embeddings)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+    def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, through `select_kernel`'s kernel."""
         kernel = DIFF_KERNELS[select_kernel(self.config._attn_implementation, q, k, v)]
         out, attn_map = kernel(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
-        out = self.subln(out) * self.output_scale if self.use_subln else out  # fp32
-        out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
-        return out, attn_map
+        return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map
 
 
 @autocast_off
@@ -361,7 +369,7 @@ def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
     return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
 
 
-class DiffV2Attention(nn.Module):
+class DiffV2Attention(DifferentialAttentionBase):
     """DIFF V2: one attention call over 2h heads of dim d; head pair (2j, 2j+1) gives
     out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1. No SubLN, no (1 - lambda_init)."""
 
@@ -381,32 +389,24 @@ class DiffV2Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.attention_out_bias)
         self.lambda_proj = nn.Linear(hidden, self.num_heads, bias=False)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, length, _ = hidden_states.shape
-        cache = kwargs.pop(CACHE_KWARG, None)
-        shape = (batch, length, -1, self.head_dim)
+    def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """Project and rotate: q [B, 2h, T, d], k and v [B, h_kv, T, d]."""
+        shape = (*hidden_states.shape[:2], -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, 2h, T, d]
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [B, h_kv, T, d]
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+        return q, k, v
+
+    def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """attn_2j - gate_j attn_2j+1 per head, [B, T, h, d] fp32, in one attention call over the 2h heads."""
         gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]
         if self.config._attn_implementation == "eager":
-            out, weights = eager_v2_attention(self, q, k, v, gate, attention_mask, self.scaling)
-        else:
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
-            attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-            attn = attn.view(batch, length, -1, 2, self.head_dim)  # [B, T, h, pair, d]
-            out = attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float()
-        out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))
-        return out, weights
+            return eager_v2_attention(self, q, k, v, gate, attention_mask, self.scaling)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
+        attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        attn = attn.view(*hidden_states.shape[:2], -1, 2, self.head_dim)  # [B, T, h, pair, d]
+        return attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float(), weights
 
 
 class DiffStandardAttention(LlamaAttention):
