@@ -3,8 +3,10 @@ defaults that stop within the context. `modeling_diff.py` applies them in `save_
 Hub code and hold for every folder the model classes write."""
 
 import copy
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
@@ -36,3 +38,18 @@ def saved_folder_defaults(model: PreTrainedModel) -> Iterator[None]:
         model.config.use_cache = use_cache
         if generation is not None:
             model.generation_config = generation
+
+
+def new_file_mode() -> int:
+    """The permissions `open()` gives a new file here: 0o666 less the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def match_weight_file_modes(folder: str | os.PathLike) -> None:
+    """safetensors writes weights through a temporary file made 0600 and renamed into place; give the folder's
+    *.safetensors files the mode its other files get, so that whoever may read the config may read the weights."""
+    mode = new_file_mode()
+    for path in Path(folder).glob("*.safetensors"):
+        os.chmod(path, mode)

@@ -63,7 +63,7 @@ from transformers.utils import TransformersKwargs, is_torchdynamo_compiling
 
 from .configuration_diff import DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
-from .folder_defaults import saved_folder_defaults
+from .folder_defaults import match_weight_file_modes, saved_folder_defaults
 from .kernel_tiled import autocast_off, mask_scores_, tiled_diff_attention, tiled_is_faster
 from .peft_defaults import register_peft_defaults
 
@@ -468,9 +468,11 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
-        generation within the context)."""
+        generation within the context) and weights as readable as its other files (`match_weight_file_modes`)."""
         with saved_folder_defaults(self):
-            return super().save_pretrained(save_directory, *args, **kwargs)
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        match_weight_file_modes(save_directory)
+        return result
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

@@ -70,7 +70,7 @@ CLI_MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is
     "mistyped-convert": (["convert", "{d}/typo", "{d}/out"], "no such folder: {d}/typo"),
     "no-tokenizer": (["generate", "{d}/no-tokenizer", "--prompt", "x"], "has no tokenizer (tokenizer.json"),
     "gpt2-generate": (["generate", "{d}/gpt2", "--prompt", "x"], "holds a 'gpt2' model, not a DIFF Transformer"),
-    "minutes": (["train", "--minutes", "-1"], "argument --minutes: '-1' must be a number > 0"),
+    "minutes": (["train", "--minutes", "-1"], "argument --minutes: '-1' must be a finite number > 0"),
     "max-steps": (["train", "--max-steps", "0"], "argument --max-steps: '0' must be a whole number >= 1"),
     "binary-data": (["train", "--data", "{d}/binary.bin"], "binary.bin is not UTF-8 text (byte 0x89 at offset 0)"),
     "missing-data": (["train", "--data", "{d}/nope.txt"], "no such file: {d}/nope.txt"),

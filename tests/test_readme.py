@@ -137,7 +137,7 @@ def make_placeholders(folder: Path) -> None:
     save_llama(folder / "path" / "to" / "llama", tokenizer, layers=32)  # `--layers 1-31` needs 32
     save_llama(folder / "out" / "llama-baseline", tokenizer, layers=2)
     config = DiffConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, max_position_embeddings=4096)
+                        num_attention_heads=2, max_position_embeddings=256)  # the context `train --data` gives
     DiffForCausalLM(config).save_pretrained(folder / "out" / "my-model")
     tokenizer.save_pretrained(folder / "out" / "my-model")
 

@@ -3,13 +3,17 @@ checkpoints, evaluate retrieval, attention noise and outliers, and upload to the
 
 import argparse
 import json
+import math
 import os
 import random
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -24,7 +28,15 @@ from transformers import (
 
 from .. import DiffConfig, DiffForCausalLM
 from ..configuration_diff import check_local_path, check_model_type
-from .data import KeyValueTask, TokenBlocks, read_text_file, retrieval_accuracy, task_dataset, text_file_dataset
+from .data import (
+    KeyValueTask,
+    TokenBlocks,
+    read_json,
+    read_text_file,
+    retrieval_accuracy,
+    task_dataset,
+    text_file_dataset,
+)
 from .evaluation import CITIES
 from ..serving import add_serve_arguments, serve
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
@@ -32,6 +44,14 @@ from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
+TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
+    "data", "max_steps", "minutes", "batch_size", "learning_rate", "hidden_size", "layers", "heads", "block_size",
+    "vocab_size", "examples", "pairs", "keys", "attn_implementation", "bf16", "seed", "chat_template",
+)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what it stopped; the command line prints it in one line."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -59,16 +79,17 @@ def positive_int(text: str) -> int:
 
 
 def as_float(text: str) -> float:
-    """float(text), or NaN (which fails every range check) for text that is not a number."""
+    """float(text) when it is a finite number, else NaN (which fails every range check): 'inf', 'nan', 'x'."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        return float("nan")
+        return math.nan
+    return value if math.isfinite(value) else math.nan
 
 
 def positive_float(text: str) -> float:
     if not as_float(text) > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return float(text)
 
 
@@ -87,8 +108,8 @@ def text_file(text: str) -> str:
     return text
 
 
-def model_folder(text: str) -> str:
-    """A local folder written by save_pretrained, with config.json and a tokenizer."""
+def folder_config(text: str) -> dict:
+    """config.json of a local folder written by save_pretrained, with a tokenizer."""
     folder = Path(text)
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
@@ -98,17 +119,79 @@ def model_folder(text: str) -> str:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
                                          f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
+    try:
+        return read_json(folder / "config.json")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; fix it, or save the model again with save_pretrained") from None
+
+
+def model_folder(text: str) -> str:
+    """A local folder written by save_pretrained: a readable config.json and a tokenizer."""
+    folder_config(text)
     return text
 
 
 def diff_model_folder(text: str) -> str:
     """A model folder whose config is a DIFF Transformer's."""
-    config = json.loads((Path(model_folder(text)) / "config.json").read_text())
     try:
-        check_model_type(config, text)
+        check_model_type(folder_config(text), text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself when it exists, else its closest existing parent."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (made with its parents where missing), or None: probed with a real
+    file, which also finds read-only mounts."""
+    existing = nearest_existing(folder)
+    if not existing.is_dir():
+        return f"{existing} is a file, so no folder can be made there"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as error:
+        return f"cannot write in {existing} ({error.strerror})"
+
+
+def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--output PREFIX of an evaluation: its folder can be written, checked before the evaluation runs."""
+    problem = unwritable(Path(args.output).parent)
+    if problem:
+        parser.error(f"--output {args.output}: {problem}; choose another --output")
+
+
+def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """train's --output: writable, and not a saved model unless --overwrite."""
+    problem = unwritable(Path(args.output))
+    if problem:
+        parser.error(f"--output {args.output}: {problem}; choose another --output")
+    if (Path(args.output) / "config.json").is_file() and not args.overwrite:
+        parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
+                     "replace it, or choose another --output")
+
+
+def remove_created_folders(folder: Path, existing: Path) -> None:
+    """Remove `folder` and its parents up to `existing` (which existed before this run) where they are empty."""
+    folder = folder.absolute()
+    while folder != existing and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
+
+
+def check_context(folder: str, tokens: int, what: str) -> None:
+    """`tokens` fit the context of the model in `folder` (its config's max_position_embeddings, where it has one)."""
+    context = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    if context is not None and tokens > context:
+        raise ValueError(f"{what} asks for {tokens} tokens, more than the context of {folder} ({context} tokens, "
+                         f"max_position_embeddings); use at most {context}")
 
 
 def local_folder_or_hub_id(text: str) -> str:
@@ -180,6 +263,12 @@ class QuietProgress(ProgressCallback):
             while self.quarter * state.max_steps / 4 <= state.global_step:
                 self.quarter += 1
 
+    def close(self) -> None:
+        """End the bar's line (on_train_end does, but Ctrl-C skips it)."""
+        if self.training_bar is not None:
+            self.training_bar.close()
+            self.training_bar = None
+
 
 def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
     return DiffConfig(
@@ -242,9 +331,34 @@ def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                      "each head has two query/key sub-heads of hidden / (2 heads) dims")
     if args.data is None and args.pairs > args.keys:
         parser.error(f"--pairs ({args.pairs}) cannot exceed --keys ({args.keys}): each pair uses a distinct key")
+    check_output_folder(args, parser)
+
+
+def run_training(trainer: Trainer, progress: QuietProgress, output: Path, existing: Path):
+    """trainer.train(); Ctrl-C ends it as `Interrupted` naming the step, after removing the empty folders that
+    Trainer made for `output` below `existing` (the part of the path there before this run)."""
+    try:
+        return trainer.train()
+    except KeyboardInterrupt:
+        progress.close()
+        remove_created_folders(output, existing)
+        raise Interrupted(f"interrupted at step {trainer.state.global_step} of {trainer.state.max_steps}; "
+                          "nothing saved") from None
+
+
+def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
+    """training_args.json: the options this run was given and what it did (the Hub model card reads it)."""
+    record = {
+        "command": "diff-transformer train",
+        "options": {name: getattr(args, name) for name in TRAINING_OPTIONS},
+        "steps": result.global_step,
+        "mean_training_loss": result.training_loss,
+    }
+    (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def train(args: argparse.Namespace) -> None:
+    existing = nearest_existing(Path(args.output))
     set_seed(args.seed)
     task, tokenizer, dataset = build_data(args)
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
@@ -254,14 +368,16 @@ def train(args: argparse.Namespace) -> None:
     trainer = Trainer(model=model, args=training_arguments(args), train_dataset=dataset, callbacks=callbacks)
     for printer in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(printer)
-    trainer.add_callback(QuietProgress())
-    result = trainer.train()
+    progress = QuietProgress()
+    trainer.add_callback(progress)
+    result = run_training(trainer, progress, Path(args.output), existing)
     print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
           f"mean loss {result.training_loss:.4f}")
     model.generation_config = training_generation_config(tokenizer, dataset)
     tokenizer.model_max_length = model.config.max_position_embeddings
     trainer.save_model(args.output)
     tokenizer.save_pretrained(args.output)
+    save_training_args(args, result, Path(args.output))
     print(f"saved to {args.output}")
     reloaded = AutoModelForCausalLM.from_pretrained(args.output).eval()
     print(f"reloaded through AutoModelForCausalLM: {type(reloaded).__name__}")
@@ -273,10 +389,10 @@ def train(args: argparse.Namespace) -> None:
     generate_text(args.output, args.prompt or "ROMEO:", args.max_new_tokens, sample=False, model=reloaded)
 
 
-def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool, model=None) -> str:
+def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool, model=None, tokenizer=None) -> str:
     """Continue `prompt`; a folder whose tokenizer has a chat template gets it as a user turn and answers with the
     assistant's reply."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     generator = pipeline("text-generation", model=model or AutoModelForCausalLM.from_pretrained(model_dir),
                          tokenizer=tokenizer)
     generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
@@ -290,10 +406,57 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool
     return text
 
 
+def prompt_length(tokenizer, prompt: str) -> int:
+    """Tokens the model reads for `prompt` as `generate_text` passes it (a user turn where there is a chat template)."""
+    if tokenizer.chat_template is None:
+        return len(tokenizer(prompt, verbose=False)["input_ids"])
+    turn = [{"role": "user", "content": prompt}]
+    return len(tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenizer_kwargs={"verbose": False},
+                                             return_dict=False))
+
+
+def prompt_tail(tokenizer, prompt: str, budget: int) -> str:
+    """The longest tail of `prompt`, cut at a token boundary, whose `prompt_length` is at most `budget`."""
+    offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
+    keep = min(len(offsets), budget - (prompt_length(tokenizer, prompt) - len(offsets)))
+    while keep > 0:
+        tail = prompt[offsets[-keep][0] :]
+        if prompt_length(tokenizer, tail) <= budget:
+            return tail
+        keep -= 1  # the text cut there may tokenize a little longer
+    raise ValueError(f"no part of the prompt fits in {budget} tokens with this tokenizer's chat template; "
+                     "lower --max-new-tokens")
+
+
+def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
+    """--prompt when it and --max-new-tokens fit the model's context; its tail with --truncate-prompt (and one
+    warning line); else ValueError with the numbers."""
+    context = AutoConfig.from_pretrained(args.model).max_position_embeddings
+    budget = context - args.max_new_tokens
+    if budget < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the context of "
+                         f"{args.model} ({context} tokens, max_position_embeddings); use at most {context - 1}")
+    length = prompt_length(tokenizer, args.prompt)
+    if length <= budget:
+        return args.prompt
+    if not args.truncate_prompt:
+        raise ValueError(f"the prompt is {length} tokens, and with --max-new-tokens {args.max_new_tokens} needs "
+                         f"{length + args.max_new_tokens}, more than the context of {args.model} ({context} tokens, "
+                         f"max_position_embeddings); shorten it, lower --max-new-tokens, or pass --truncate-prompt to "
+                         f"keep its last {budget} tokens")
+    tail = prompt_tail(tokenizer, args.prompt, budget)
+    print(f"diff-transformer generate: warning: the prompt is {length} tokens; kept its last "
+          f"{prompt_length(tokenizer, tail)} (--truncate-prompt) so that it and --max-new-tokens "
+          f"{args.max_new_tokens} fit the context of {context} tokens", file=sys.stderr)
+    return tail
+
+
 def run_generate(args: argparse.Namespace) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompt = fitted_prompt(args, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     set_threads(args.threads, model)
-    generate_text(args.model, args.prompt, args.max_new_tokens, args.sample, model=model)
+    generate_text(args.model, prompt, args.max_new_tokens, args.sample, model=model, tokenizer=tokenizer)
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -339,6 +502,8 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--prompt", help="prompt for the closing generation (default: a held-out task prompt, or "
                                          "'ROMEO:' with --data)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens of the closing generation")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the saved model in --output (refused without it)")
     parser.set_defaults(func=train, check=check_train_args)
     return parser
 
@@ -350,6 +515,8 @@ def add_generate_parser(commands, common) -> Parser:
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--truncate-prompt", action="store_true",
+                        help="keep the end of a prompt too long for the model's context (refused without it)")
     parser.set_defaults(func=run_generate)
     return parser
 
@@ -382,12 +549,19 @@ def add_convert_parser(commands, common) -> Parser:
 
 
 def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str, tuple]:
-    """{"diff": (model, tokenizer)} plus "baseline" when given; sets the thread count from the model's size."""
-    from .evaluation import load
+    """{"diff": (model, tokenizer)} plus "baseline" when given; sets the thread count from the model's size. First
+    (before loading a model) every tokenizer must spell the evaluation's texts, the baseline's as the model's does,
+    and --length must fit every model's context."""
+    from .evaluation import check_same_encoding, check_tokenizer, load_model
 
-    models = {"diff": load(args.model, attn_implementation)}
+    folders = {"diff": args.model} if args.baseline is None else {"diff": args.model, "baseline": args.baseline}
+    tokenizers = {name: AutoTokenizer.from_pretrained(folder) for name, folder in folders.items()}
+    for name, folder in folders.items():
+        check_tokenizer(tokenizers[name], folder)
+        check_context(folder, args.length, f"--length {args.length}")
     if args.baseline is not None:
-        models["baseline"] = load(args.baseline, attn_implementation)
+        check_same_encoding(tokenizers["diff"], tokenizers["baseline"], args.model, args.baseline)
+    models = {name: (load_model(folder, attn_implementation), tokenizers[name]) for name, folder in folders.items()}
     set_threads(args.threads, models["diff"][0])
     return models
 
@@ -397,6 +571,7 @@ def run_eval_needle(args: argparse.Namespace) -> None:
 
     settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
                               queries=args.queries, samples=args.samples, seed=args.seed)
+    check_context(args.model, max(args.lengths), f"--lengths {' '.join(map(str, args.lengths))}")
     model, tokenizer = load(args.model)
     set_threads(args.threads, model)
     run_needle_cli(model, tokenizer, Path(args.model).name, settings, args.output)
@@ -418,7 +593,7 @@ def add_eval_needle_parser(commands, common) -> Parser:
     parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--output", default="needle", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(func=run_eval_needle)
+    parser.set_defaults(func=run_eval_needle, check=check_output_prefix)
     return parser
 
 
@@ -440,7 +615,7 @@ def add_attention_noise_parser(commands, common) -> Parser:
     parser.add_argument("--needles", type=positive_int, default=6, help=f"needles in the context (at most {len(CITIES)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(func=run_attention_noise)
+    parser.set_defaults(func=run_attention_noise, check=check_output_prefix)
     return parser
 
 
@@ -508,6 +683,10 @@ def main(argv: list[str] | None = None) -> None:
         args.check(args, command)
     try:
         args.func(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
+        if args.debug:
+            raise
+        command.exit(130, f"{command.prog}: {str(stop) or 'interrupted'}\n")
     except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
         if args.debug:
             raise

@@ -1,5 +1,6 @@
 """Training data that needs no download: a synthetic key/value retrieval task, and plain text files."""
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,17 @@ def read_text_file(path: str | Path) -> str:
             f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
             "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
         ) from None
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`; `ValueError` naming the file and the position of the error when it is not one."""
+    try:
+        value = json.loads(read_text_file(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
+    return value
 
 
 def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:

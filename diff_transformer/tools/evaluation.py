@@ -76,13 +76,32 @@ def needle(city: str, number: str) -> str:
     return f"The magic number of {city} is {number}."
 
 
-def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
-    """A word-level tokenizer (such as the synthetic task's) maps the prompts to <unk>, and every answer scores 0."""
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, name: str | None = None) -> None:
+    """A word-level tokenizer (such as the synthetic task's) maps the prompts to <unk>, and every answer scores 0;
+    `name` (the model's folder) is named in the error."""
     sample = needle(CITIES[0], "1234")
     ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
     check(tokenizer.unk_token_id is None or tokenizer.unk_token_id not in ids,
-            f"the tokenizer cannot encode the needle text ({sample!r} becomes {tokenizer.decode(ids)!r}); use a "
-            "model whose tokenizer covers English text, e.g. one trained with `diff-transformer train --data FILE`")
+            f"the tokenizer{f' of {name}' if name else ''} cannot encode the needle text ({sample!r} becomes "
+            f"{tokenizer.decode(ids)!r}); use a model whose tokenizer covers English text, e.g. one trained with "
+            "`diff-transformer train --data FILE`")
+
+
+def check_same_encoding(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, name: str,
+                        other_name: str) -> None:
+    """Models compared on one prompt must read the same tokens: `other` (a baseline's tokenizer) encodes a needle,
+    the filler and the question as `tokenizer` does."""
+    text = " ".join([needle(CITIES[0], "1234"), *FILLER, f"What is the magic number of {CITIES[0]}?"])
+    ids, other_ids = (t(text, add_special_tokens=False)["input_ids"] for t in (tokenizer, other))
+    if ids == other_ids:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ids, other_ids)) if a != b), min(len(ids), len(other_ids)))
+    raise ValueError(
+        f"the tokenizer of {other_name} encodes the evaluation text differently from {name}'s ({len(other_ids)} vs "
+        f"{len(ids)} tokens, first difference at token {at}: {other.decode(other_ids[at : at + 1])!r} vs "
+        f"{tokenizer.decode(ids[at : at + 1])!r}); compare models that share a tokenizer: save the model's with "
+        f"tokenizer.save_pretrained({other_name!r}) when the baseline was trained on its ids"
+    )
 
 
 def prompt_tokens(tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt, queries: int) -> int:
@@ -213,9 +232,12 @@ def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, titl
     return True
 
 
+def load_model(model_dir: str, attn_implementation: str = "sdpa"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation).eval()
+
+
 def load(model_dir: str, attn_implementation: str = "sdpa"):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    return load_model(model_dir, attn_implementation), AutoTokenizer.from_pretrained(model_dir)
 
 
 def write_report(table: str, output: str, plot) -> None:

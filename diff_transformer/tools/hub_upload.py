@@ -25,6 +25,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 
 from .. import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from ..folder_defaults import generation_defaults
+from .data import read_json
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -54,7 +55,7 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
         raise UploadError(f"{model_dir} has no config.json: save the model with model.save_pretrained({model_dir})")
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise UploadError(f"{model_dir} has no tokenizer: save it with tokenizer.save_pretrained({model_dir})")
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json(model_dir / "config.json")
     if config.get("model_type") != DiffConfig.model_type:
         raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
     return config
@@ -108,14 +109,34 @@ def config_table(config: dict) -> str:
     return "\n".join(["| field | value |", "| --- | --- |", *rows])
 
 
-def training_details(model_dir: Path) -> str:
-    state = model_dir / "trainer_state.json"
-    if not state.is_file():
-        return "Not recorded with this folder."
-    logs = json.loads(state.read_text())
-    losses = [entry["loss"] for entry in logs.get("log_history", []) if "loss" in entry]
+def train_command_details(record: dict) -> str:
+    """The card's training section from training_args.json (written by `diff-transformer train`)."""
+    options = dict(record.get("options", {}))
+    data = options.pop("data", None)
+    source = f"the text file `{Path(data).name}`" if data else "the built-in synthetic key/value retrieval task"
+    rows = [f"| `--{name.replace('_', '-')}` | `{value}` |" for name, value in options.items() if value is not None]
+    return "\n".join([
+        f"Trained with `{record.get('command', 'diff-transformer train')}` on {source}: {record.get('steps', '?')} "
+        f"optimizer steps, mean training loss {record.get('mean_training_loss', float('nan')):.4f}.",
+        "", "| option | value |", "| --- | --- |", *rows,
+    ])
+
+
+def trainer_state_details(state: dict) -> str:
+    losses = [entry["loss"] for entry in state.get("log_history", []) if "loss" in entry]
     final = f", final training loss {losses[-1]:.4f}" if losses else ""
-    return f"Trained with `transformers.Trainer` for {logs.get('global_step', '?')} steps{final}."
+    return f"Trained with `transformers.Trainer` for {state.get('global_step', '?')} steps{final}."
+
+
+def training_details(model_dir: Path) -> str:
+    """What the folder records of its training: training_args.json (`diff-transformer train`), else Trainer's
+    trainer_state.json, else a plain statement that it is unknown."""
+    if (model_dir / "training_args.json").is_file():
+        return train_command_details(read_json(model_dir / "training_args.json"))
+    if (model_dir / "trainer_state.json").is_file():
+        return trainer_state_details(read_json(model_dir / "trainer_state.json"))
+    return ("How this model was trained (data, steps, settings) is unknown: the folder holds neither the "
+            "training_args.json that `diff-transformer train` writes nor a Trainer checkpoint's trainer_state.json.")
 
 
 def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> ModelCard:

@@ -1,0 +1,229 @@
+"""Bad input to the command line is refused before the work starts, in one line naming the fix (issue #33):
+non-finite numbers, output folders that cannot be written or hold a saved model, prompts and lengths beyond the
+model's context, baselines whose tokenizer reads the evaluation text differently, a config.json that is not JSON.
+Also what `train` leaves behind: nothing on Ctrl-C; a folder whose files share one mode, with its training settings
+recorded for the model card."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_config
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.folder_defaults import new_file_mode
+from diff_transformer.tools import hub_upload
+from diff_transformer.tools.cli import main, prompt_tail
+from diff_transformer.tools.data import KeyValueTask
+from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 96  # tokens of the DIFF model's context: room for a 2-needle prompt, short of the defaults' lengths
+LONG_PROMPT = " ".join(FILLER * 8)
+
+
+def english_tokenizer(vocab_size: int):
+    texts = list(FILLER) * 20 + [needle(c, str(1000 + i)) for i, c in enumerate(CITIES)] * 3
+    return train_bpe_tokenizer(texts=texts + [f"What is the magic number of {c}?" for c in CITIES],
+                               vocab_size=vocab_size)
+
+
+def save_llama(path: Path, tokenizer) -> Path:
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=512)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """diff (English BPE tokenizer, a CONTEXT-token context); baselines: same (its tokenizer), other (another BPE
+    vocabulary), word (the synthetic task's word-level tokenizer); a file where a folder would go."""
+    root = tmp_path_factory.mktemp("inputs")
+    torch.manual_seed(0)
+    english = english_tokenizer(400)
+    model = DiffForCausalLM(tiny_config(vocab_size=len(english), max_position_embeddings=CONTEXT))
+    model.save_pretrained(root / "diff")
+    english.save_pretrained(root / "diff")
+    save_llama(root / "same", english)
+    save_llama(root / "other", english_tokenizer(300))
+    save_llama(root / "word", KeyValueTask().tokenizer())
+    (root / "afile").write_text("not a folder\n")
+    return root
+
+
+def answer(arguments: list[str], capsys) -> str:
+    """The one line `main(arguments)` answers with, after checking exit status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err and err.endswith("\n"), err
+    line = err.strip().splitlines()[-1]  # loading bars of a model may come first
+    assert line.startswith(f"diff-transformer {arguments[0]}: error: "), err
+    return line
+
+
+MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is the folders fixture
+    "inf-learning-rate": (["train", "--learning-rate", "inf"], "--learning-rate: 'inf' must be a finite number > 0"),
+    "nan-learning-rate": (["train", "--learning-rate", "nan"], "--learning-rate: 'nan' must be a finite number > 0"),
+    "inf-minutes": (["train", "--minutes", "Infinity"], "--minutes: 'Infinity' must be a finite number > 0"),
+    "nan-depth": (["eval-needle", "{d}/diff", "--depths", "nan"], "'nan' must be a percentage between 0 and 100"),
+    "output-under-file": (["train", "--output", "{d}/afile/run"],
+                          "--output {d}/afile/run: {d}/afile is a file, so no folder can be made there; choose"),
+    "needle-output-under-file": (["eval-needle", "{d}/diff", "--lengths", "64", "--output", "{d}/afile/x/needle"],
+                                 "--output {d}/afile/x/needle: {d}/afile is a file"),
+    "noise-output-under-file": (["attention-noise", "{d}/diff", "--output", "{d}/afile/noise"],
+                                "--output {d}/afile/noise: {d}/afile is a file"),
+    "overwrite": (["train", "--output", "{d}/diff"],
+                  "--output {d}/diff already holds a saved model (config.json); pass --overwrite to replace it"),
+    "long-prompt": (["generate", "{d}/diff", "--prompt", LONG_PROMPT, "--max-new-tokens", "8"],
+                    f"more than the context of {{d}}/diff ({CONTEXT} tokens, max_position_embeddings); shorten it, "
+                    f"lower --max-new-tokens, or pass --truncate-prompt to keep its last {CONTEXT - 8} tokens"),
+    "no-room-to-generate": (["generate", "{d}/diff", "--prompt", "x", "--max-new-tokens", str(CONTEXT)],
+                            f"--max-new-tokens {CONTEXT} leaves no room for a prompt in the context of {{d}}/diff"),
+    "needle-lengths": (["eval-needle", "{d}/diff", "--lengths", "64", "1024"],
+                       f"--lengths 64 1024 asks for 1024 tokens, more than the context of {{d}}/diff ({CONTEXT} "
+                       f"tokens, max_position_embeddings); use at most {CONTEXT}"),
+    "noise-length": (["attention-noise", "{d}/diff", "--length", "1024", "--output", "{d}/noise"],
+                     f"--length 1024 asks for 1024 tokens, more than the context of {{d}}/diff ({CONTEXT} tokens"),
+    "outliers-length": (["outliers", "{d}/diff", "--length", "512"], "--length 512 asks for 512 tokens"),
+    "noise-word-baseline": (["attention-noise", "{d}/diff", "--baseline", "{d}/word", "--length", "64", "--output",
+                             "{d}/noise"], "the tokenizer of {d}/word cannot encode the needle text"),
+    "outliers-word-baseline": (["outliers", "{d}/diff", "--baseline", "{d}/word", "--length", "64"],
+                               "the tokenizer of {d}/word cannot encode the needle text"),
+    "noise-other-baseline": (["attention-noise", "{d}/diff", "--baseline", "{d}/other", "--length", "64",
+                              "--output", "{d}/noise"],
+                             "the tokenizer of {d}/other encodes the evaluation text differently from {d}/diff's"),
+    "outliers-other-baseline": (["outliers", "{d}/diff", "--baseline", "{d}/other", "--length", "64"],
+                                "the tokenizer of {d}/other encodes the evaluation text differently"),
+}
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_refused_in_one_line(folders, capsys, name):
+    arguments, fragment = MISTAKES[name]
+    line = answer([a.format(d=folders) for a in arguments], capsys)
+    assert fragment.format(d=folders) in line, line
+    assert not (folders / "noise.md").exists(), "refused before the evaluation ran"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write in a read-only folder")
+def test_read_only_output_refused(tmp_path, capsys):
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    line = answer(["train", "--output", str(folder / "run")], capsys)
+    assert f"cannot write in {folder} (Permission denied); choose another --output" in line, line
+
+
+def test_bad_config_json_names_file_and_position(folders, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(folders / "diff", broken)
+    (broken / "config.json").write_text('{"model_type": "diff_transformer",\n  "vocab_size": 97,,\n}\n')
+    position = "Expecting property name enclosed in double quotes at line 2 column 20"
+    for arguments in (["generate", str(broken), "--prompt", "x"], ["eval-needle", str(broken)],
+                      ["outliers", str(folders / "diff"), "--baseline", str(broken)]):
+        line = answer(arguments, capsys)
+        assert f"{broken / 'config.json'} is not valid JSON: {position}; fix it, or save the model again" in line, line
+    line = answer(["upload", str(broken), "user/model", "--dry-run"], capsys)
+    assert f"{broken / 'config.json'} is not valid JSON: {position}" in line, line
+
+
+def test_truncate_prompt_keeps_the_end_with_one_warning(folders, capsys):
+    main(["generate", str(folders / "diff"), "--prompt", LONG_PROMPT, "--max-new-tokens", "8", "--truncate-prompt"])
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line.lower()]
+    budget = CONTEXT - 8
+    assert len(warnings) == 1 and re.fullmatch(
+        rf"diff-transformer generate: warning: the prompt is \d+ tokens; kept its last \d+ \(--truncate-prompt\) so "
+        rf"that it and --max-new-tokens 8 fit the context of {CONTEXT} tokens", warnings[0]), captured.err
+    kept = int(re.search(r"kept its last (\d+)", warnings[0])[1])
+    assert budget - 2 <= kept <= budget, warnings[0]
+    tail = prompt_tail(AutoTokenizer.from_pretrained(folders / "diff"), LONG_PROMPT, budget)
+    assert LONG_PROMPT.endswith(tail) and captured.out.split("generated: ", 1)[1].startswith(tail), captured.out
+
+
+def test_matching_baseline_runs(folders, capsys):
+    main(["outliers", str(folders / "diff"), "--baseline", str(folders / "same"), "--length", "64"])
+    assert "| baseline | hidden_states |" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained") / "runs" / "tiny"
+    main(["train", "--max-steps", "2", "--examples", "64", "--output", str(folder), "--seed", "3"])
+    return folder
+
+
+def test_overwrite_replaces_a_saved_model(trained, capsys):
+    first = (trained / "model.safetensors").read_bytes()
+    main(["train", "--max-steps", "2", "--examples", "64", "--output", str(trained), "--seed", "4", "--overwrite"])
+    assert "saved to" in capsys.readouterr().out
+    assert (trained / "model.safetensors").read_bytes() != first
+
+
+def test_saved_files_share_one_mode(trained, tmp_path):
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in trained.iterdir()}
+    assert set(modes.values()) == {oct(new_file_mode())}, modes
+    previous = os.umask(0o027)
+    try:
+        DiffForCausalLM(tiny_config()).save_pretrained(tmp_path / "group")
+    finally:
+        os.umask(previous)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in (tmp_path / "group").iterdir()}
+    assert set(modes.values()) == {oct(0o640)}, modes
+
+
+def test_model_card_records_training(trained, tmp_path):
+    config = hub_upload.check_inputs(trained, "user/tiny")
+    card = str(hub_upload.model_card(trained, "user/tiny", config, "mit"))
+    assert ("Trained with `diff-transformer train` on the built-in synthetic key/value retrieval task: 2 optimizer "
+            "steps, mean training loss ") in card, card
+    assert "| `--learning-rate` | `0.005` |" in card and "| `--seed` | `4` |" in card, card
+    DiffForCausalLM(tiny_config()).save_pretrained(tmp_path / "untrained")
+    details = hub_upload.training_details(tmp_path / "untrained")
+    assert details.startswith("How this model was trained (data, steps, settings) is unknown") and "Not " not in details
+
+
+def read_stream(stream, chunks: list[str]) -> None:
+    while chunk := stream.read(64):
+        chunks.append(chunk)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training(tmp_path):
+    """A real SIGINT once the progress bar counts steps: one line, exit 130, no folder left behind."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "diff_transformer.tools.cli", "train", "--max-steps", "100000", "--examples",
+               "256", "--seed", "0", "--output", "runs/made/here"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    chunks: list[str] = []
+    reader = threading.Thread(target=read_stream, args=(process.stderr, chunks), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    try:
+        while not re.search(r" [1-9]\d*/100000 ", "".join(chunks)[-400:]):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
+            time.sleep(0.2)
+        assert (tmp_path / "runs" / "made" / "here").is_dir(), "Trainer makes the output folder when it starts"
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    err = "".join(chunks)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and re.search(
+        r"\ndiff-transformer train: interrupted at step \d+ of 100000; nothing saved\n$", err), err[-3000:]
+    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
