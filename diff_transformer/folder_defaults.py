@@ -40,16 +40,10 @@ def saved_folder_defaults(model: PreTrainedModel) -> Iterator[None]:
             model.generation_config = generation
 
 
-def new_file_mode() -> int:
-    """The permissions `open()` gives a new file here: 0o666 less the process umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def match_weight_file_modes(folder: str | os.PathLike) -> None:
     """safetensors writes weights through a temporary file made 0600 and renamed into place; give the folder's
-    *.safetensors files the mode its other files get, so that whoever may read the config may read the weights."""
-    mode = new_file_mode()
+    *.safetensors files the mode of its config.json (written like any new file, under the umask), so that whoever
+    may read the config may read the weights."""
+    mode = (Path(folder) / "config.json").stat().st_mode & 0o777
     for path in Path(folder).glob("*.safetensors"):
         os.chmod(path, mode)
