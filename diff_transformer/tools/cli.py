@@ -386,7 +386,9 @@ def train(args: argparse.Namespace) -> None:
         prompt, answer = task.example(random.Random(args.seed + 1))
         args.prompt = args.prompt or prompt
         print(f"expected answer: {answer}")
-    generate_text(args.output, args.prompt or "ROMEO:", args.max_new_tokens, sample=False, model=reloaded)
+        answer_tokens = len(tokenizer(" " + answer, add_special_tokens=False)["input_ids"])
+    new_tokens = args.max_new_tokens or (answer_tokens if task is not None else 8)
+    generate_text(args.output, args.prompt or "ROMEO:", new_tokens, sample=False, model=reloaded)
 
 
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool, model=None, tokenizer=None) -> str:
@@ -501,7 +503,8 @@ def add_train_parser(commands, common) -> Parser:
                              "tokenizer; the built-in task then trains on chat turns")
     parser.add_argument("--prompt", help="prompt for the closing generation (default: a held-out task prompt, or "
                                          "'ROMEO:' with --data)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens of the closing generation")
+    parser.add_argument("--max-new-tokens", type=positive_int,
+                        help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the saved model in --output (refused without it)")
     parser.set_defaults(func=train, check=check_train_args)
