@@ -29,12 +29,15 @@ import multiprocessing
 import random
 import re
 import statistics
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     DiffLlamaConfig,
     DiffLlamaForCausalLM,
     LlamaConfig,
@@ -43,16 +46,21 @@ from transformers import (
     get_wsd_schedule,
     set_seed,
 )
+from transformers.models.diffllama import modeling_diffllama
+from transformers.models.llama import modeling_llama
 
-from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer import DiffConfig, DiffForCausalLM, modeling_diff
 from diff_transformer.tools.data import text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
     NeedleSettings,
+    activation_tensors,
     attention_maps,
     attention_noise,
     build_needle_prompt,
+    causal_entries,
+    magnitude_stats,
     span_positions,
     needle,
     needle_accuracy,
@@ -235,8 +243,216 @@ def figure_maps(model, tokenizer, prompt) -> dict:
             "where": f"layer {layer}, head {head}"}
 
 
+# --- §3.8 of the paper: activation outliers and low-bit quantization, measured on the saved models (issue #34) ---
+
+QUANT_BITS = (8, 6, 4)
+TOP_K = 10  # the outlier table reports top-1 and top-10 magnitudes over the median
+
+
+def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-tensor fake quantization: scale = max|x| / (2^(bits-1) - 1), round x / scale to an integer,
+    clamp to +-(2^(bits-1) - 1), multiply back. An all-zero tensor is returned as is."""
+    levels = 2 ** (bits - 1) - 1
+    scale = x.abs().max() / levels
+    if scale == 0:
+        return x
+    return (x / scale).round().clamp(-levels, levels) * scale
+
+
+def quantize_visible(scores: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """Fake-quantize masked attention logits [B, H, T, S] over the entries the softmax sees: masked ones hold the
+    dtype's minimum (transformers' additive mask, `mask_scores_`), stay as they are and do not set the scale."""
+    if bits is None:
+        return scores
+    visible = scores > torch.finfo(scores.dtype).min / 2
+    return torch.where(visible, fake_quantize(scores.masked_fill(~visible, 0), bits), scores)
+
+
+def quantized_eager_attention(bits: int | None) -> Callable:
+    """transformers' `eager_attention_forward` of Llama and DiffLlama (same code in both; dropout is off in
+    evaluation) with `quantize_visible` between the masked logits and the softmax; bits None: the original's
+    result exactly."""
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        keys = modeling_llama.repeat_kv(key, module.num_key_value_groups)
+        values = modeling_llama.repeat_kv(value, module.num_key_value_groups)
+        scores = torch.matmul(query, keys.transpose(2, 3)) * scaling  # [B, H, T, S]
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        weights = torch.softmax(quantize_visible(scores, bits), dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+
+    return attention
+
+
+@contextmanager
+def quantized_attention_logits(model, bits: int | None) -> Iterator[None]:
+    """Inside the block, the eager attention of every model fake-quantizes its pre-softmax logits to `bits`, one
+    scale per attention call: DIFF through `modeling_diff.masked_scores` (called once per branch, [B, h, T, S]),
+    Llama and DiffLlama through their module's `eager_attention_forward` (DiffLlama's [B, 2h, T, S] holds both
+    branches). The functions are swapped in the modules for the block and restored after, even on error."""
+    implementation = model.config._attn_implementation
+    if implementation != "eager":
+        raise ValueError(f"quantized_attention_logits needs eager attention, the model runs '{implementation}': "
+                         'load it with attn_implementation="eager"')
+    masked_scores = modeling_diff.masked_scores
+    originals = [(modeling_diff, "masked_scores", masked_scores)]
+    originals += [(module, "eager_attention_forward", module.eager_attention_forward)
+                  for module in (modeling_llama, modeling_diffllama)]
+    modeling_diff.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
+    modeling_llama.eager_attention_forward = modeling_diffllama.eager_attention_forward = quantized_eager_attention(bits)
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+@contextmanager
+def quantized_activations(model, bits: int) -> Iterator[None]:
+    """Inside the block, the hidden states entering each decoder layer [B, T, hidden] are fake-quantized to `bits`
+    (one scale per layer and forward), by forward pre-hooks removed after the block."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (fake_quantize(args[0], bits), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": fake_quantize(kwargs["hidden_states"], bits)}
+
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def task_metric(task: str, model, tokenizer, val: torch.Tensor, args: argparse.Namespace) -> float:
+    """The number the quantization table reports: validation loss (text) or final retrieval accuracy."""
+    if task == "retrieval":
+        return statistics.mean(retrieval_accuracy(model, tokenizer, args, args.eval_samples * 4).values())
+    return validation_loss(model, val, tokenizer.pad_token_id, args.device)
+
+
+def quantization_metrics(task: str, model, tokenizer, val: torch.Tensor, args: argparse.Namespace) -> dict:
+    """{"none": metric, "attention logits": {bits: metric}, "activations": {bits: metric}} of an eager model."""
+    out = {"none": task_metric(task, model, tokenizer, val, args), "attention logits": {}, "activations": {}}
+    for bits in QUANT_BITS:
+        with quantized_attention_logits(model, bits):
+            out["attention logits"][bits] = task_metric(task, model, tokenizer, val, args)
+        with quantized_activations(model, bits):
+            out["activations"][bits] = task_metric(task, model, tokenizer, val, args)
+    return out
+
+
+def outlier_inputs(task: str, tokenizer, val: torch.Tensor, args: argparse.Namespace) -> list[torch.Tensor]:
+    """Held-out inputs for the outlier table: 8 validation blocks [8, T] (text), or the attention-noise question
+    prompts [1, T] at every depth (retrieval, no padding)."""
+    if task != "retrieval":
+        return [val[:8]]
+    rng, settings = random.Random(11), needle_settings(args, 1, 0)
+    prompts = [build_needle_prompt(tokenizer, args.context, depth, settings, rng)
+               for depth in DEPTHS for _ in range(args.eval_samples)]
+    return [tokenizer(p.question(0), return_tensors="pt")["input_ids"] for p in prompts]
+
+
+def magnitude_summary(values: list[torch.Tensor]) -> dict:
+    stats = magnitude_stats(values, TOP_K)
+    top, median = stats["top"], stats["median"]
+    return {"top1": top[0], "median": median, "top1 / median": top[0] / median, "top10 / median": top[-1] / median}
+
+
+def outlier_metrics(model, inputs: list[torch.Tensor]) -> dict:
+    """{activation: {top1, median, top1 / median, top10 / median}}: attention logits (causal entries) per branch of
+    the differential models (heads [:h] and [h:]), over all heads of Llama; hidden states of every layer output."""
+    logits, hidden = [], []
+    for ids in inputs:
+        scores, states = activation_tensors(model, ids)  # per layer [B, H, T, T], [B, T, hidden]
+        logits += [causal_entries(s) for s in scores]
+        hidden += states
+    if model.config.model_type == "llama":
+        groups = {"attention logits": logits}
+    else:
+        groups = {f"attention logits, branch {b + 1}": [s.chunk(2, dim=1)[b] for s in logits] for b in (0, 1)}
+    return {**{name: magnitude_summary(group) for name, group in groups.items()},
+            "hidden states": magnitude_summary(hidden)}
+
+
+def analysis(task: str, folder: Path, tokenizer, val: torch.Tensor, args: argparse.Namespace) -> dict:
+    """The §3.8 numbers of one saved model, loaded with eager attention (what the quantization hooks wrap)."""
+    model = load_saved(folder, args, "eager")
+    return {"outliers": outlier_metrics(model, outlier_inputs(task, tokenizer, val, args)),
+            "quantization": quantization_metrics(task, model, tokenizer, val, args)}
+
+
+# --- saved models: each run's final weights as a from_pretrained folder next to its stored run ---
+
+
+def model_path(unit: tuple) -> Path:
+    """OUTPUT_DIR/runs/<stored run's name>.model: the run's final model and tokenizer (not committed: .gitignore)."""
+    return stored_path(unit).with_suffix(".model")
+
+
+def weights_sha256(folder: Path) -> str:
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+def save_model(model, tokenizer, folder: Path) -> str:
+    """save_pretrained in fp32 (safetensors; exact, so a reloaded model reproduces every number) with the
+    tokenizer; returns the weights' sha256."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return weights_sha256(folder)
+
+
+def load_saved(folder: Path, args: argparse.Namespace, attention: str = "sdpa"):
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention, dtype=torch.float32).to(
+        args.device).eval()
+
+
+class SavedRunError(RuntimeError):
+    """A stored run whose saved model is missing or not the one that made its figures."""
+
+
+def check_saved(unit: tuple) -> dict:
+    """The stored row of a unit whose saved folder exists and has the stored checksum; else one line with the fix."""
+    stored, folder = stored_path(unit), model_path(unit)
+    retrain = f"delete {stored} and run the same command without --from-saved to train it again"
+    if not stored.is_file():
+        raise SavedRunError(f"{stored.name}: not stored; run the same command without --from-saved to train it")
+    row = torch.load(stored, weights_only=True)
+    if "model_sha256" not in row:
+        raise SavedRunError(f"{stored.name}: stored before runs saved their model (issue #34); {retrain}")
+    if not (folder / "model.safetensors").is_file():
+        raise SavedRunError(f"{stored.name}: its saved model {folder} is missing; {retrain}")
+    if (digest := weights_sha256(folder)) != row["model_sha256"]:
+        raise SavedRunError(f"{stored.name}: {folder}/model.safetensors has sha256 {digest[:16]}, the stored run "
+                            f"{row['model_sha256'][:16]}: another model; {retrain}")
+    return row
+
+
+def from_saved(unit: tuple) -> dict:
+    """A stored row with every reported number recomputed from the saved model, without training: final validation
+    loss (and retrieval accuracy, attention to the answer, noise, the map figure) and the §3.8 analysis. The curve
+    along training is the stored one."""
+    task, name, seed, _, args = unit
+    row = check_saved(unit)
+    torch.set_num_threads(args.threads)
+    tokenizer, train_data, val = retrieval_data(args) if task == "retrieval" else text_data(args)
+    if data_digest(train_data) != row["data"]:
+        raise SavedRunError(f"{stored_path(unit).name}: the data built now differs from the run's (checksum "
+                            f"{data_digest(train_data)} vs {row['data']}); use the settings and files it was run with")
+    model = load_saved(model_path(unit), args)
+    row = {**row, **evaluate(task, model, tokenizer, val, args, final=True)}
+    if task == "retrieval":
+        row.update(noise_metrics(model, tokenizer, args))
+    print(f"{task} {name} seed {seed}: recomputed from {model_path(unit).name}", flush=True)
+    return {**row, **analysis(task, model_path(unit), tokenizer, val, args)}
+
+
+
 def run_unit(unit: tuple) -> dict:
-    """Train one model on one task with one seed; evaluate along the way and at the end."""
+    """Train one model on one task with one seed; evaluate along the way and at the end; save the final model
+    (`model_path`, its checksum in the row) and measure its outliers and quantization (`analysis`) from the folder."""
     task, name, seed, steps, args = unit
     torch.set_num_threads(args.threads)
     tokenizer, train_data, val = retrieval_data(args) if task == "retrieval" else text_data(args)
@@ -248,6 +464,8 @@ def run_unit(unit: tuple) -> dict:
            "best_val_loss": min(p["val_loss"] for p in curve)}
     if task == "retrieval":
         row.update(noise_metrics(model, tokenizer, args))
+    row["model_sha256"] = save_model(model, tokenizer, model_path(unit))
+    row.update(analysis(task, model_path(unit), tokenizer, val, args))
     print(f"{task} {name} seed {seed} ({steps} steps, {row['seconds']:.0f}s): val loss {row['val_loss']:.3f}"
           + (f", accuracy {row['accuracy']:.3f}, answer {row['answer']:.3f}, noise {row['noise']:.3f}; accuracy "
              f"along training {[round(p['accuracy'], 3) for p in curve]}" if task == "retrieval" else ""), flush=True)
@@ -284,7 +502,7 @@ def run_all(plan: list[tuple], jobs: int) -> Iterator[dict]:
 # Settings that change no run's result (`quick` only sets others), and those only one task reads: a stored run is
 # reused whatever they are.
 RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", "calibrate", "calibrate_needles",
-                   "quick")
+                   "quick", "from_saved")
 TEXT_ONLY = ("data", "text_steps", "long_steps", "text_batch", "text_lr", "text_block")
 RETRIEVAL_ONLY = ("steps", "batch", "lr", "schedule", "context", "needles", "queries", "digits", "examples",
                   "eval_samples")
@@ -308,12 +526,20 @@ def partial_path(unit: tuple) -> Path:
 def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
     """Rows of every unit in plan order: each finished run is stored as it ends, and a stored run with the same
     settings is loaded instead of run again, so seeds can be added to an experiment and a stopped one resumed."""
-    todo = [u for u in plan if not stored_path(u).is_file()]
+    todo = [u for u in plan if not stored_path(u).is_file() or not has_saved_model(stored_path(u))]
     for unit, row in zip(todo, run_all(todo, max(1, min(jobs, len(todo)))), strict=True):
         stored_path(unit).parent.mkdir(parents=True, exist_ok=True)
         torch.save(row, stored_path(unit))
         partial_path(unit).unlink(missing_ok=True)
     return [torch.load(stored_path(u), weights_only=True) for u in plan]
+
+
+def has_saved_model(stored: Path) -> bool:
+    """Whether a stored run recorded its saved model; one stored before issue #34 did not and is trained again."""
+    if "model_sha256" in torch.load(stored, weights_only=True):
+        return True
+    print(f"training {stored.name} again: it was stored before runs saved their model (issue #34)", flush=True)
+    return False
 
 
 def text_task(row: dict) -> str:
@@ -352,6 +578,120 @@ def summarize(rows: list[dict]) -> str:
                 out.append(f"| {name} | {runs[0]['params'] / 1e6:.3f}M | {cells} |")
         out.append("")
     return "\n".join(out)
+
+
+PAPER = ("Paper (§3.8, 3B-size models): top-1 attention logit 38.8 (DIFF) vs 318.0 (Transformer), top hidden state "
+         "1688.2 vs 3608.6 (Table 5); with attention logits quantized to 6 and 4 bits DIFF keeps its zero-shot "
+         "accuracy where the Transformer's drops (Figure 8).")
+QUANT_METRIC = {"retrieval": "retrieval accuracy", "text": "validation loss", "text-long": "validation loss"}
+
+
+def spread_apart(a: list[float], b: list[float]) -> bool:
+    """Whether two models' means differ by more than the sum of their spreads over seeds (and than 1% of the larger
+    mean and 1e-3, so that equal numbers of single-seed or zero-spread runs are not called apart)."""
+    spread = sum(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (a, b))
+    means = statistics.mean(a), statistics.mean(b)
+    return abs(means[0] - means[1]) > max(spread, 0.01 * max(map(abs, means)), 1e-3)
+
+
+def outlier_table(group: list[dict]) -> list[str]:
+    """Markdown rows: per model and activation, top-1, median and top-1 / top-10 over the median (mean ± sd)."""
+    fields = ("top1", "median", "top1 / median", "top10 / median")
+    out = ["| model | activation | " + " | ".join(fields) + " |", "|---|---|" + "---|" * len(fields)]
+    for name in MODELS:
+        runs = [r for r in group if r["model"] == name]
+        for kind in runs[0]["outliers"] if runs else []:
+            cells = " | ".join(cell([r["outliers"][kind][f] for r in runs]) for f in fields)
+            out.append(f"| {name} | {kind} | {cells} |")
+    return out
+
+
+def quantization_table(group: list[dict]) -> list[str]:
+    """Markdown rows: per model and quantized tensor, the metric unquantized and at each bit width (mean ± sd)."""
+    out = ["| model | quantized | none | " + " | ".join(f"{b} bits" for b in QUANT_BITS) + " |",
+           "|---|---|---|" + "---|" * len(QUANT_BITS)]
+    for name in MODELS:
+        runs = [r["quantization"] for r in group if r["model"] == name]
+        for kind in ("attention logits", "activations") if runs else ():
+            cells = " | ".join(cell([q[kind][b] for q in runs]) for b in QUANT_BITS)
+            out.append(f"| {name} | {kind} | {cell([q['none'] for q in runs])} | {cells} |")
+    return out
+
+
+def reading(task: str, group: list[dict]) -> list[str]:
+    """DIFF against the Transformer on the paper's claims: apart only if the means differ by more than the spreads."""
+    def values(name: str, get) -> list[float]:
+        return [get(r) for r in group if r["model"] == name]
+
+    def verdict(what: str, get) -> str:
+        diff, llama = values("DIFF", get), values("Transformer", get)
+        if not diff or not llama:
+            return f"- {what}: needs DIFF and Transformer runs"
+        if not spread_apart(diff, llama):
+            return (f"- {what}: DIFF {statistics.mean(diff):.3f}, Transformer {statistics.mean(llama):.3f}: "
+                    "within the spread over seeds, no difference at this scale")
+        lower = "lower" if statistics.mean(diff) < statistics.mean(llama) else "higher"
+        return f"- {what}: DIFF {statistics.mean(diff):.3f}, Transformer {statistics.mean(llama):.3f}: DIFF {lower}"
+
+    low = QUANT_BITS[-1]
+    return [verdict("top-1 attention logit over the median (DIFF: branch 1)",
+                    lambda r: next(iter(r["outliers"].values()))["top1 / median"]),
+            verdict("top-1 hidden state over the median", lambda r: r["outliers"]["hidden states"]["top1 / median"]),
+            *[verdict(f"change of {QUANT_METRIC[task]} with {kind} at {low} bits",
+                      lambda r, kind=kind: r["quantization"][kind][low] - r["quantization"]["none"])
+              for kind in ("attention logits", "activations")]]
+
+
+def paper_tables(rows: list[dict]) -> str:
+    """Markdown: the §3.8 outlier and quantization tables of every task whose runs carry them, and the reading."""
+    out = []
+    for task in ("retrieval", "text", "text-long"):
+        group = [r for r in rows if r["task"] == task and "outliers" in r]
+        if not group:
+            continue
+        seeds = f"{len({r['seed'] for r in group})} seed(s), {group[0]['steps']} steps, eager attention"
+        out += [f"### Activation outliers, {task} (paper Table 5)", "", seeds, "", *outlier_table(group), "",
+                f"### Fake quantization, {task}: {QUANT_METRIC[task]} (paper Figure 8)", "",
+                f"{seeds}; symmetric per-tensor: scale = max|x| / (2^(bits-1) - 1)", "",
+                *quantization_table(group), "", "Reading (DIFF against the Transformer):", "",
+                *reading(task, group), ""]
+    return "\n".join(out + ([PAPER, ""] if out else []))
+
+
+def plot_paper_tables(rows: list[dict], task: str, path: Path) -> None:
+    """Outliers (top-1 over the median per activation, bars per model with the min-max over seeds) and the metric
+    against bits for quantized attention logits and activations (mean over seeds, min-max band)."""
+    plt = pyplot()
+    group = [r for r in rows if r["task"] == task and "outliers" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    names = [n for n in MODELS if any(r["model"] == n for r in group)]
+    kinds = list(dict.fromkeys(k for r in group for k in r["outliers"]))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        runs = [r for r in group if r["model"] == name]
+        label = name
+        for j, kind in enumerate(kinds):
+            values = [r["outliers"][kind]["top1 / median"] for r in runs if kind in r["outliers"]]
+            if values:
+                mean = statistics.mean(values)
+                axes[0].bar(j + i * width, mean, width, yerr=[[mean - min(values)], [max(values) - mean]],
+                            color=f"C{i}", label=label)
+                label = None  # one legend entry per model
+        bits = ["none", *map(str, QUANT_BITS)]
+        for ax, kind in zip(axes[1:], ("attention logits", "activations")):
+            values = torch.tensor([[r["quantization"]["none"], *[r["quantization"][kind][b] for b in QUANT_BITS]]
+                                   for r in runs])  # [seeds, 1 + bit widths]
+            ax.plot(bits, values.mean(0), marker="o", color=f"C{i}", label=name)
+            ax.fill_between(bits, values.min(0).values, values.max(0).values, color=f"C{i}", alpha=0.2)
+            ax.set(title=f"{kind} fake-quantized", xlabel="bits", ylabel=QUANT_METRIC[task])
+            ax.legend()
+    axes[0].set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], [k.replace("attention logits", "logits")
+                                                                          for k in kinds], fontsize=8)
+    axes[0].set(title=f"{task}: top-1 magnitude over the median", yscale="log")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_curves(rows: list[dict], panels: list[tuple], path: Path) -> None:
@@ -404,7 +744,7 @@ def write_outputs(rows: list[dict], args: argparse.Namespace, seconds: float) ->
     report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
               f"run time: {seconds / 60:.1f} min for this call; the {len(rows)} runs, stored ones included, took "
               f"{sum(r['seconds'] for r in rows) / 60:.1f} min of one process each\n\n"
-              f"{summarize(rows)}")
+              f"{summarize(rows)}\n{paper_tables(rows)}")
     (args.output_dir / "report.md").write_text(report)
     plain = [{k: v for k, v in r.items() if k != "figure"} for r in rows]
     (args.output_dir / "results.json").write_text(json.dumps({"settings": settings, "rows": plain}, indent=1))
@@ -414,6 +754,9 @@ def write_outputs(rows: list[dict], args: argparse.Namespace, seconds: float) ->
                   ("retrieval", "val_loss", "Retrieval task validation loss")]
         plot_curves(rows, panels, args.output_dir / "accuracy.png")
         plot_maps(rows, args.output_dir / "attention_maps.png")
+    for task in sorted(t for t in tasks if pyplot() is not None and any(r["task"] == t and "outliers" in r
+                                                                         for r in rows)):
+        plot_paper_tables(rows, task, args.output_dir / f"outliers_quantization_{task}.png")
     if pyplot() is not None and "text" in tasks:
         plot_curves(rows, [(t, "val_loss", title) for t, title in (("text", "Text validation loss"),
                                                                      ("text-long", "Text validation loss, long run"))
@@ -473,6 +816,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/paper_small"))
+    parser.add_argument("--from-saved", action="store_true", help="train nothing: recompute every reported number "
+                        "from the runs' saved models (checksums checked) and write the same report")
     if parser.parse_known_args(argv)[0].quick:  # explicit flags still override the quick defaults
         parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
@@ -485,7 +830,8 @@ def main(argv: list[str] | None = None) -> str:
         table = calibrate(args)
         print(table)
         return table
-    rows = run_or_load([u + (args,) for u in units(args)], args.jobs)
+    plan = [u + (args,) for u in units(args)]
+    rows = [from_saved(u) for u in plan] if args.from_saved else run_or_load(plan, args.jobs)
     check_same_data(rows)
     report = write_outputs(rows, args, time.monotonic() - start)
     print(report)
@@ -493,4 +839,7 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SavedRunError as error:
+        sys.exit(f"error: {error}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_config
-from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from diff_transformer import DiffForCausalLM
@@ -232,8 +232,122 @@ def test_paper_small_benchmark_smoke(tmp_path, capsys):
     assert all(len(r["curve"]) == 2 and 0 <= r["accuracy"] <= 1 for r in results)
     for name in ("accuracy.png", "attention_maps.png"):
         assert (tmp_path / "out" / name).stat().st_size > 1000
-    stored = {run: run.stat().st_mtime_ns for run in (tmp_path / "out" / "runs").iterdir()}
+    stored = {run: run.stat().st_mtime_ns for run in (tmp_path / "out" / "runs").glob("*.pt")}
     assert len(stored) == 6, sorted(stored)
     report = benchmark.main(argv + ["--seeds", "0", "1", "2", "--text-steps", "5"])  # a text-only flag changes no run
     assert all(run.stat().st_mtime_ns == mtime for run, mtime in stored.items()), "a stored run was trained again"
-    assert len(list((tmp_path / "out" / "runs").iterdir())) == 9 and "3 seed(s)" in report
+    assert len(list((tmp_path / "out" / "runs").glob("*.pt"))) == 9 and "3 seed(s)" in report
+    assert len(list((tmp_path / "out" / "runs").glob("*.model"))) == 9, "every run saves its model"
+
+
+def test_paper_small_fake_quantize_known_values():
+    """Symmetric per tensor: scale = max|x| / (2^(b-1) - 1), round, clamp, dequantize."""
+    benchmark = load_paper_small()
+    x = torch.tensor([-3.0, -1.2, 0.0, 0.4, 1.6, 3.0])
+    three_bits = benchmark.fake_quantize(x, 3)  # 3 levels a side, scale 1
+    expected = torch.tensor([-3.0, -1.0, 0.0, 0.0, 2.0, 3.0])
+    gap = (three_bits - expected).abs()
+    assert gap.max() == 0, f"3 bits: max abs diff {gap.max():.3e}, mean {gap.mean():.3e}: {three_bits.tolist()}"
+    two_bits = benchmark.fake_quantize(x / 3, 2)  # 1 level a side, scale 1
+    assert two_bits.tolist() == [-1.0, 0.0, 0.0, 0.0, 1.0, 1.0], two_bits.tolist()
+    assert benchmark.fake_quantize(torch.zeros(4), 4).tolist() == [0.0] * 4
+    fill = torch.finfo(torch.float32).min
+    masked = torch.tensor([[0.4, fill], [-1.2, 3.0]])  # the scale comes from the visible entries only
+    assert benchmark.quantize_visible(masked, 3).tolist() == [[0.0, fill], [-1.0, 3.0]]
+
+
+def fitted_models(benchmark, ids: torch.Tensor) -> dict:
+    """The benchmark's three models (seeded init), fitted for 40 AdamW steps to the batch `ids` so that attention
+    is peaked and matters to the loss, as in a trained model; eager, in eval mode."""
+    args = benchmark.parse_args(["--quick", "--hidden", "64", "--heads", "2"])
+    torch.manual_seed(0)
+    models = benchmark.build_models(300, args)
+    for model in models.values():
+        model.set_attn_implementation("eager")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(40):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+    return models
+
+
+def test_paper_small_quantization_hooks_change_the_loss():
+    """On eager DIFF, DiffLlama and Llama: the swapped-in attention (bits None) gives the original loss exactly;
+    16 bits changes it by < 1e-3, 2 bits by more than 0.1; the original functions are back after the block."""
+    benchmark = load_paper_small()
+    ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
+    originals = (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward)
+    for name, model in fitted_models(benchmark, ids).items():
+        def loss() -> float:
+            with torch.no_grad():
+                return model(ids, labels=ids).loss.item()
+
+        base = loss()
+        with benchmark.quantized_attention_logits(model, None):
+            assert loss() == base, f"{name}: the swapped-in eager attention changes the loss by {loss() - base:.3e}"
+        for kind, quantized in (("logits", benchmark.quantized_attention_logits),
+                                ("activations", benchmark.quantized_activations)):
+            with quantized(model, 16):
+                fine = loss() - base
+            with quantized(model, 2):
+                coarse = loss() - base
+            assert abs(fine) < 1e-3, f"{name} {kind} at 16 bits: loss changes by {fine:.3e}"
+            assert abs(coarse) > 0.1, f"{name} {kind} at 2 bits: loss changes by only {coarse:.3e}"
+        assert loss() == base, f"{name}: a quantization hook outlived its block"
+    assert (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward) == originals
+    with pytest.raises(ValueError, match="needs eager attention"):
+        model.set_attn_implementation("sdpa")
+        with benchmark.quantized_attention_logits(model, 8):
+            pass
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def report_tables(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith(("|", "#"))]
+
+
+def test_paper_small_from_saved_reproduces_the_tables(tmp_path):
+    """--quick end to end with saved models: every run leaves a from_pretrained folder whose checksum is in the
+    stored run; --from-saved recomputes every table (loss, accuracy, noise, outliers, quantization) from the folders
+    exactly, without rewriting the stored runs; a changed or missing folder stops it with one line naming the run.
+    The text task reads the first 60,000 characters of tiny Shakespeare when it is there."""
+    benchmark = load_paper_small()
+    text = tmp_path / "text.txt"
+    if SHAKESPEARE.exists():
+        text.write_text(SHAKESPEARE.read_text()[:60000])
+    out = tmp_path / "out"
+    argv = ["--quick", "--steps", "4", "--text-steps", "4", "--long-steps", "0", "--seeds", "0", "1",
+            "--curve-points", "2", "--examples", "24", "--eval-samples", "1", "--data", str(text),
+            "--output-dir", str(out)]
+    trained = benchmark.main(argv)
+    tasks = ["retrieval", "text"] if SHAKESPEARE.exists() else ["retrieval"]
+    for task in tasks:
+        assert f"### Fake quantization, {task}" in trained and f"### Activation outliers, {task}" in trained
+        assert (out / f"outliers_quantization_{task}.png").stat().st_size > 1000
+    stored = {run: run.read_bytes() for run in (out / "runs").glob("*.pt")}
+    assert len(stored) == 6 * len(tasks), sorted(stored)
+    for run in stored:
+        row = torch.load(run, weights_only=True)
+        folder = run.with_suffix(".model")
+        assert row["model_sha256"] == benchmark.weights_sha256(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        expected = {"DIFF": "DiffForCausalLM", "DiffLlama": "DiffLlamaForCausalLM", "Transformer": "LlamaForCausalLM"}
+        assert type(model).__name__ == expected[row["model"]]
+    again = benchmark.main(argv + ["--from-saved"])
+    assert report_tables(again) == report_tables(trained), "\n".join(
+        f"{a}\n{b}" for a, b in zip(report_tables(again), report_tables(trained)) if a != b)
+    assert all(run.read_bytes() == data for run, data in stored.items()), "--from-saved rewrote a stored run"
+
+    run = sorted(stored)[0]
+    weights = run.with_suffix(".model") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(benchmark.SavedRunError, match=f"{run.name}: .* another model; delete {run}") as error:
+        benchmark.main(argv + ["--from-saved"])
+    assert "\n" not in str(error.value)
+    weights.unlink()
+    with pytest.raises(benchmark.SavedRunError, match=f"{run.name}: its saved model .* is missing"):
+        benchmark.main(argv + ["--from-saved"])

@@ -397,16 +397,14 @@ def magnitude_stats(values: list[torch.Tensor], top_k: int) -> dict:
     return {"top": tops.tolist(), "median": median.item(), "ratio": (tops[0] / median).item()}
 
 
-def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
-    """Table 5: attention logits (causal entries, per layer) and hidden states (every layer output)."""
-    check(top_k >= 1, f"top_k must be at least 1, got {top_k}")
-    check(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
+def activation_tensors(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer the attention logits [B, heads (DIFF: branch 1's, then branch 2's), T, T], recomputed from each
+    attention's input by a forward pre-hook, and every layer output's hidden states [B, T, hidden]."""
     logits: list[torch.Tensor] = []
 
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"]  # Llama's decoder layer passes it by name
-        scores = attention_logits(module, hidden, kwargs["position_embeddings"])
-        logits.append(scores[..., torch.ones(scores.shape[-2:], dtype=torch.bool).tril()])
+        logits.append(attention_logits(module, hidden, kwargs["position_embeddings"]))
 
     modules = [layer.self_attn for layer in model.model.layers]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
@@ -416,7 +414,21 @@ def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
     finally:
         for handle in handles:
             handle.remove()
-    return {"attention_logits": magnitude_stats(logits, top_k), "hidden_states": magnitude_stats(list(hidden), top_k)}
+    return logits, list(hidden)
+
+
+def causal_entries(scores: torch.Tensor) -> torch.Tensor:
+    """The entries [..., T (T + 1) / 2] of scores [..., T, T] that causal attention reads."""
+    return scores[..., torch.ones(scores.shape[-2:], dtype=torch.bool).tril()]
+
+
+def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
+    """Table 5: attention logits (causal entries, per layer) and hidden states (every layer output)."""
+    check(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    check(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
+    logits, hidden = activation_tensors(model, input_ids)
+    return {"attention_logits": magnitude_stats([causal_entries(s) for s in logits], top_k),
+            "hidden_states": magnitude_stats(hidden, top_k)}
 
 
 def outlier_table(reports: dict[str, dict]) -> str:
@@ -445,5 +457,5 @@ def run_outliers_cli(models: dict[str, tuple], length: int, top_k: int, seed: in
 
 __all__ = [
     "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "attention_noise",
-    "activation_outliers", "noise_table", "outlier_table",
+    "activation_outliers", "activation_tensors", "noise_table", "outlier_table",
 ]
