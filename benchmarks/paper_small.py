@@ -482,6 +482,9 @@ def units(args: argparse.Namespace) -> list[tuple]:
     plan = []
     if "retrieval" in args.tasks:
         plan += [("retrieval", m, s, args.steps) for s in args.seeds for m in args.models]
+    if "text" in args.tasks and not args.data.is_file() and not plan:
+        raise SystemExit(f"error: the text experiment needs a UTF-8 corpus, and {args.data} is not a file: pass "
+                         "--data FILE (any plain-text file of a few hundred KB, e.g. tiny Shakespeare)")
     if "text" in args.tasks and not args.data.is_file():
         print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
     elif "text" in args.tasks:

@@ -351,3 +351,11 @@ def test_paper_small_from_saved_reproduces_the_tables(tmp_path):
     weights.unlink()
     with pytest.raises(benchmark.SavedRunError, match=f"{run.name}: its saved model .* is missing"):
         benchmark.main(argv + ["--from-saved"])
+
+
+def test_paper_small_text_only_without_corpus_is_refused(tmp_path):
+    """--tasks text with no corpus has nothing to run: one line naming --data, not an empty report with exit 0."""
+    benchmark = load_paper_small()
+    with pytest.raises(SystemExit, match="needs a UTF-8 corpus.*pass --data FILE"):
+        benchmark.main(["--tasks", "text", "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir()), "nothing may be written"
