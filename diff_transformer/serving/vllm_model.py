@@ -14,6 +14,7 @@ so padding is exact. This module imports vLLM at the top: only vLLM's model regi
 """
 
 import functools
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -203,6 +204,10 @@ class DiffForCausalLM(LlamaForCausalLM):
         parallel = vllm_config.parallel_config
         widths = check_servable(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                 current_platform.is_cpu())
+        if not current_platform.is_cpu():
+            warnings.warn("serving a DIFF model off the CPU is untested (only vLLM's CPU build "
+                          "is, docs/serving.md): compare its greedy tokens with transformers' before relying on it",
+                          stacklevel=2)
         attention = functools.partial(build_attention, widths=widths)
         layer = functools.partial(LlamaDecoderLayer, attn_layer_type=attention)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
