@@ -45,13 +45,14 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
     LlamaRMSNorm,
@@ -178,7 +179,8 @@ BRANCH_MAPS: ContextVar[list | None] = ContextVar("diff_branch_maps", default=No
 @autocast_off
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """The paper's formula as written: both softmax maps in fp32, their difference A1 - lambda A2, times V; the one
-    kernel that returns the map (and feeds `capture_branch_attentions`). Returns (out [B, T, h, dv] fp32, the differential map [B, h, T, S])."""
+    kernel that returns the map (and feeds `capture_branch_attentions`). Returns (out [B, T, h, dv] fp32, the
+    differential map [B, h, T, S])."""
     q1, q2, k1, k2 = split_branches(q, k)
     k1, k2, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, k2, v))  # [B, h, S, .]
     a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
@@ -350,7 +352,7 @@ class DiffAttention(DifferentialAttentionBase):
         return q, k, v
 
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, through `select_kernel`'s kernel."""
+        """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, by `select_kernel`'s kernel."""
         kernel = DIFF_KERNELS[select_kernel(self.config._attn_implementation, q, k, v)]
         out, attn_map = kernel(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
         return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map
@@ -441,8 +443,12 @@ class DiffDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-RMSNorm block with a differential (or, in hybrid stacks, standard) attention."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+        GradientCheckpointingLayer.__init__(self)  # LlamaDecoderLayer's modules, without building its attention
+        self.hidden_size = config.hidden_size
         self.self_attn = build_attention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DiffPreTrainedModel(LlamaPreTrainedModel):
