@@ -268,19 +268,20 @@ def quantize_visible(scores: torch.Tensor, bits: int | None) -> torch.Tensor:
     return torch.where(visible, fake_quantize(scores.masked_fill(~visible, 0), bits), scores)
 
 
-def quantized_eager_attention(bits: int | None) -> Callable:
-    """transformers' `eager_attention_forward` of Llama and DiffLlama (same code in both; dropout is off in
-    evaluation) with `quantize_visible` between the masked logits and the softmax; bits None: the original's
-    result exactly."""
+def quantized_eager_attention(original: Callable, bits: int | None) -> Callable:
+    """transformers' own `eager_attention_forward` (`original`, of Llama or DiffLlama) with `quantize_visible` on the
+    input of its softmax, the masked logits, for the duration of each call; bits None: the original's result."""
+    softmax = torch.nn.functional.softmax
 
-    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        keys = modeling_llama.repeat_kv(key, module.num_key_value_groups)
-        values = modeling_llama.repeat_kv(value, module.num_key_value_groups)
-        scores = torch.matmul(query, keys.transpose(2, 3)) * scaling  # [B, H, T, S]
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        weights = torch.softmax(quantize_visible(scores, bits), dim=-1, dtype=torch.float32).to(query.dtype)
-        return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+    def quantized_softmax(scores: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return softmax(quantize_visible(scores, bits), *args, **kwargs)
+
+    def attention(*args, **kwargs):
+        torch.nn.functional.softmax = quantized_softmax
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.nn.functional.softmax = softmax
 
     return attention
 
@@ -300,7 +301,8 @@ def quantized_attention_logits(model, bits: int | None) -> Iterator[None]:
     originals += [(module, "eager_attention_forward", module.eager_attention_forward)
                   for module in (modeling_llama, modeling_diffllama)]
     modeling_diff.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
-    modeling_llama.eager_attention_forward = modeling_diffllama.eager_attention_forward = quantized_eager_attention(bits)
+    for module, name, original in originals[1:]:
+        setattr(module, name, quantized_eager_attention(original, bits))
     try:
         yield
     finally:
