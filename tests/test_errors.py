@@ -211,8 +211,8 @@ def test_console_script_answers_fast_without_hub(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "diff_transformer.tools.cli", "generate", "runs/typo", "--prompt", "x"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "diff_transformer.tools.cli", "generate", "runs/typo", "--prompt", "x"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "diff-transformer generate: error: argument model: no such folder: runs/typo" in result.stderr
     assert time.monotonic() - start < 30, "answered only after waiting for the Hub"

@@ -1,6 +1,6 @@
-"""`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the defaults
-clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written; clear errors
-for bad input."""
+"""`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the
+defaults clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written;
+clear errors for bad input."""
 
 import json
 import os

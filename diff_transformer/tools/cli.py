@@ -1,5 +1,6 @@
 """`diff-transformer` command line: train a tiny DIFF model (arXiv 2410.05258), generate from a saved one, convert
-checkpoints, evaluate retrieval, attention noise and outliers, and upload to the Hub. Add --debug to any command to see a traceback."""
+checkpoints, evaluate retrieval, attention noise and outliers, upload to the Hub and serve with vLLM. Add --debug to
+any command to see a traceback."""
 
 import argparse
 import json
@@ -37,8 +38,8 @@ from .data import (
     task_dataset,
     text_file_dataset,
 )
-from .evaluation import CITIES
 from ..serving import add_serve_arguments, serve
+from .evaluation import CITIES
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
@@ -186,9 +187,14 @@ def remove_created_folders(folder: Path, existing: Path) -> None:
         folder = folder.parent
 
 
+def model_context(folder: str) -> int | None:
+    """The context of the model in `folder`: its config's max_position_embeddings, where it has one."""
+    return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+
+
 def check_context(folder: str, tokens: int, what: str) -> None:
-    """`tokens` fit the context of the model in `folder` (its config's max_position_embeddings, where it has one)."""
-    context = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    """`tokens` fit the context of the model in `folder`."""
+    context = model_context(folder)
     if context is not None and tokens > context:
         raise ValueError(f"{what} asks for {tokens} tokens, more than the context of {folder} ({context} tokens, "
                          f"max_position_embeddings); use at most {context}")
@@ -433,7 +439,9 @@ def prompt_tail(tokenizer, prompt: str, budget: int) -> str:
 def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
     """--prompt when it and --max-new-tokens fit the model's context; its tail with --truncate-prompt (and one
     warning line); else ValueError with the numbers."""
-    context = AutoConfig.from_pretrained(args.model).max_position_embeddings
+    context = model_context(args.model)
+    if context is None:
+        return args.prompt
     budget = context - args.max_new_tokens
     if budget < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the context of "

@@ -50,8 +50,9 @@ class KeyValueTask:
 def encode_example(tokenizer: PreTrainedTokenizerFast, prompt: str, answer: str | None = None) -> list[int]:
     """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer`) or is prompted
     (`answer=None`: `<s> prompt`); generation stops at the folder's `max_length`, the training length. No `</s>`
-    after the answer: the README's default run learns less reliably with it (benchmarks/RESULTS.md). A tokenizer with a chat template formats it as a user turn and an assistant turn,
-    exactly as `apply_chat_template` (and so `pipeline` with chat messages) does at inference."""
+    after the answer: the README's default run learns less reliably with it (benchmarks/RESULTS.md). A tokenizer
+    with a chat template formats it as a user turn and an assistant turn, exactly as `apply_chat_template` (and so
+    `pipeline` with chat messages) does at inference."""
     if tokenizer.chat_template is None:
         return tokenizer(prompt if answer is None else f"{prompt} {answer}")["input_ids"]
     messages = [{"role": "user", "content": prompt}]
