@@ -6,7 +6,8 @@ Every attention layer is ONE call of vLLM's paged `Attention` (docs/serving.md, 
     V1 differential   2h query heads [q1, 0] and [0, q2], grouped per kv head, over h_kv kv heads holding
                       (k1 | k2) and v; width 2d (or dv, or the CPU kernel's next size, zero-padded); scale d^-0.5.
                       head_j = A1 V - lambda A2 V, then (1 - lambda_init) SubLN(head_j).
-    V2 differential   2h query heads of width d over h_kv kv heads; head_j = attn_2j - sigmoid(lambda_proj x)_j attn_2j+1.
+    V2 differential   2h query heads of width d over h_kv kv heads;
+                      head_j = attn_2j - sigmoid(lambda_proj x)_j attn_2j+1.
     standard          Llama attention with h dv / d heads of width d (padded to the V1 layers' page size).
 
 Zero columns added to q and k leave every score unchanged, and zero columns added to v are cut from the output,
@@ -30,6 +31,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
+from ..modeling_diff import compute_lambda
 from .layout import check_servable
 
 BRANCH_HALVES = "diff_branch_halves"  # marks q_proj / k_proj of a V1 layer: rows in the halves order of design.md §2
@@ -73,7 +75,8 @@ class DiffAttentionBase(nn.Module):
         self.layer_idx = extract_layer_index(prefix)
         self.d, self.width = config.head_dim, width
         self.heads, self.kv_heads = shapes["q_heads"] // ranks, shapes["kv_heads"] // ranks  # on this rank
-        self.q_proj = column(config, shapes["q_heads"] * self.d, config.attention_bias, quant_config, f"{prefix}.q_proj")
+        q_rows = shapes["q_heads"] * self.d
+        self.q_proj = column(config, q_rows, config.attention_bias, quant_config, f"{prefix}.q_proj")
         self.k_proj = column(config, shapes["k_rows"], config.attention_bias, quant_config, f"{prefix}.k_proj")
         self.v_proj = column(config, shapes["v_rows"], config.attention_bias, quant_config, f"{prefix}.v_proj")
         self.o_proj = RowParallelLinear(shapes["o_cols"], config.hidden_size, bias=config.attention_out_bias,
@@ -113,10 +116,8 @@ class DiffV1Attention(DiffAttentionBase):
             self.subln = ParamVector(dv, ("weight",))
 
     def lam(self) -> torch.Tensor:
-        """lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32 (paper eq. 1)."""
         p = self.lambda_params
-        dot = lambda a, b: torch.dot(a.float(), b.float())  # noqa: E731
-        return torch.exp(dot(p.q1, p.k1)) - torch.exp(dot(p.q2, p.k2)) + self.lambda_init
+        return compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init)
 
     def padded_inputs(self, q, k, v) -> tuple[torch.Tensor, ...]:
         """The call's inputs: q [T, h_kv * 2 n_rep * W] as [q1, 0] / [0, q2] rows ordered (kv head, branch, n_rep),
@@ -135,8 +136,7 @@ class DiffV1Attention(DiffAttentionBase):
         out = out.view(tokens, self.kv_heads, 2, self.n_rep, self.width)[..., : self.dv].float()  # [T, h_kv, b, r, dv]
         heads = torch.addcmul(out[:, :, 0], out[:, :, 1], self.lam(), value=-1)  # A1 V - lambda A2 V: [T, h_kv, r, dv]
         if self.use_subln:  # RMSNorm per head over dv with the gain, times 1 - lambda_init, in fp32
-            rstd = torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.eps)
-            heads = heads * rstd * (self.subln.weight * self.output_scale)
+            heads = F.rms_norm(heads, (self.dv,), self.subln.weight.float(), self.eps) * self.output_scale
         output, _ = self.o_proj(heads.to(hidden_states.dtype).reshape(tokens, -1))  # [T, hidden]
         return output
 
