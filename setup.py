@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     packages=["diff_transformer", "diff_transformer.tools", "diff_transformer.serving"],
+    py_modules=["diff_transformer_cli"],  # the command line, importable without torch
     python_requires=">=3.10",
     # Tested range: the floor is .ci/floor.txt's, the upper bound the newest release `bash .ci/run` has passed on
     # (docs/versions.md). Raise a bound only after the suite passes under the new release.
@@ -42,7 +43,7 @@ setup(
         ],
     },
     entry_points={
-        "console_scripts": ["diff-transformer=diff_transformer.tools.cli:main"],
+        "console_scripts": ["diff-transformer=diff_transformer_cli:main"],
         "vllm.general_plugins": ["diff_transformer = diff_transformer.serving:register"],
     },
 )

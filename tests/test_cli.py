@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.cli import main
+from diff_transformer_cli import main
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -17,10 +17,10 @@ from test_trainer import make_trainer
 from transformers import AutoTokenizer
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.cli import main
 from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, ANSWER = "k3 v7 k9 v2 ? k9", "v2"

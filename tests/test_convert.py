@@ -23,9 +23,9 @@ from transformers import (
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools.callbacks import LambdaLoggingCallback, LambdaWarmupCallback, lambda_values
-from diff_transformer.tools.cli import main
 from diff_transformer.tools.convert import added_parameters, convert, convert_checkpoint, convert_llama_family
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer_cli import main
 
 LOGIT_ATOL = 1e-4  # the bound for fp32 conversion
 IMPORT_ATOL = 1e-5  # DiffLlama import is a pure permutation: only summation order differs

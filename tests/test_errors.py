@@ -23,7 +23,6 @@ from transformers.utils import logging as transformers_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM, capture_branch_attentions
 from diff_transformer.tools.callbacks import LambdaLoggingCallback
-from diff_transformer.tools.cli import main
 from diff_transformer.tools.data import KeyValueTask, text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
@@ -35,6 +34,7 @@ from diff_transformer.tools.evaluation import (
     needle,
 )
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,7 @@ def test_console_script_answers_fast_without_hub(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.monotonic()
-    command = [sys.executable, "-m", "diff_transformer.tools.cli", "generate", "runs/typo", "--prompt", "x"]
+    command = [sys.executable, "-m", "diff_transformer_cli", "generate", "runs/typo", "--prompt", "x"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "diff-transformer generate: error: argument model: no such folder: runs/typo" in result.stderr

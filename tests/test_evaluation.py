@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, DiffLlamaConfig, DiffLlamaForCaus
 from transformers.models.llama import modeling_llama
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.cli import main
 from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
@@ -24,6 +23,7 @@ from diff_transformer.tools.evaluation import (
     needle,
 )
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer_cli import main
 
 SHARE_ATOL = 1e-5  # fp32 sums of attention rows
 

@@ -11,7 +11,7 @@ from torch.export import Dim
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-from diff_transformer.tools.cli import main
+from diff_transformer_cli import main
 
 PROMPT = "k3 v7 k9 v2 ? k9"
 

@@ -18,7 +18,7 @@ from test_pipeline import save_tiny_folder
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools import hub_upload
-from diff_transformer.tools.cli import main
+from diff_transformer_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 32
@@ -26,7 +26,7 @@ CONTEXT = 32
 
 def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "diff_transformer.tools.cli", "upload", *args]
+    command = [sys.executable, "-m", "diff_transformer_cli", "upload", *args]
     return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 

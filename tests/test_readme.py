@@ -1,11 +1,13 @@
-"""Every code block of the README and of the docs pages runs as written (issues #18, #30).
+"""Every code block of the README and of the docs pages runs as written, on its own (issues #18, #30, #33).
 
-The blocks run in the order of PAGES (the README first, then docs/ as its links lead on), as a reader runs them: in
-one working folder (with the repository's `tests/`, `configs/` and `examples/` beside them, as in a clone) and one
-Python namespace, so a snippet may use what an earlier one defined. The placeholders the pages name
-(`my_corpus.txt`, `path/to/llama`, `out/my-model`, `out/llama-baseline`) are made first. Each block needs an entry in
-BLOCKS, and each docs page an entry in PAGES, so a new or changed block cannot go untested; a test runs the blocks
-before its own that it has not run yet. Relative links between the pages must point at files that exist.
+Each block runs in its own process and its own working folder, as a reader who opens a page at that block would run
+it: a Python block in a fresh interpreter, a bash block in a fresh shell. The folder holds what the pages say the
+reader brings (PLACEHOLDERS: `my_corpus.txt`, `path/to/llama`, `out/my-model`, `out/llama-baseline`, and
+`runs/my-model`, the folder the docs' `train` command writes) and the repository's `tests/`, `configs/` and
+`examples/`, as in a clone; a block that loads what an earlier block on its page writes runs after that block (NEEDS).
+Whatever a block writes must go under `runs/` (git-ignored), so the pages' snippets leave nothing in a clone's root.
+Each block needs an entry in BLOCKS, and each docs page an entry in PAGES, so a new or changed block cannot go
+untested. Relative links between the pages must point at files that exist.
 """
 
 import os
@@ -62,8 +64,8 @@ BLOCKS = {
     'from_pretrained("my-user/diff-tiny", trust_remote_code=True)': SKIP + "downloads from the Hub (the same calls "
     "on a local folder run in tests/test_hub_upload.py)",
     "class Logits(torch.nn.Module):": "slow",
-    "diff-transformer convert path/to/llama out/diff-llama": "slow",
-    'convert_checkpoint("path/to/llama", "out/diff-llama")': "slow",
+    "diff-transformer convert path/to/llama runs/diff-llama": "slow",
+    'convert_checkpoint("path/to/llama", "runs/diff-llama")': "slow",
     "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "slow",
     "diff-transformer eval-needle out/my-model": "slow",
     "diff-transformer serve FOLDER --port 8000": SKIP + "needs vLLM's CUDA build and a GPU",
@@ -73,6 +75,15 @@ BLOCKS = {
 }
 # lines of a run block left out: an upload needs the network and a real token
 LEFT_OUT = ("HF_TOKEN=hf_... diff-transformer upload",)
+# block -> the earlier block that writes what it loads
+NEEDS = {
+    "capture_branch_attentions(model) as branches": "config = DiffConfig(vocab_size=1000",  # runs/my-diff
+    'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)':
+        "torchrun --nproc_per_node 2 examples/fsdp_train.py runs/fsdp",
+    "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "diff-transformer convert path/to/llama runs/diff-llama",
+}
+# placeholder folder -> the block that writes it itself (it runs without the placeholder)
+WRITTEN_BY = {"runs/my-model": "diff-transformer train --data my_corpus.txt --output runs/my-model"}
 
 
 @dataclass
@@ -127,64 +138,76 @@ def save_llama(path: Path, tokenizer, layers: int) -> None:
     tokenizer.save_pretrained(path)
 
 
+def save_diff(path: Path, tokenizer) -> None:
+    config = DiffConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=256)  # the context `train --data` gives
+    DiffForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+PLACEHOLDERS = ("my_corpus.txt", "path/to/llama", "out/llama-baseline", "out/my-model", "runs/my-model")
+REPOSITORY = ("tests", "configs", "examples")  # the repository files the pages' commands name
+
+
 def make_placeholders(folder: Path) -> None:
-    """What the pages assume the reader has, and the repository files their commands name."""
-    for name in ("tests", "configs", "examples"):
+    """What the pages assume the reader has (PLACEHOLDERS), and links to REPOSITORY."""
+    for name in REPOSITORY:
         (folder / name).symlink_to(ROOT / name)
     corpus(folder / "my_corpus.txt")
     torch.manual_seed(0)
     tokenizer = train_bpe_tokenizer(files=[folder / "my_corpus.txt"], vocab_size=400)
     save_llama(folder / "path" / "to" / "llama", tokenizer, layers=32)  # `--layers 1-31` needs 32
     save_llama(folder / "out" / "llama-baseline", tokenizer, layers=2)
-    config = DiffConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, max_position_embeddings=256)  # the context `train --data` gives
-    DiffForCausalLM(config).save_pretrained(folder / "out" / "my-model")
-    tokenizer.save_pretrained(folder / "out" / "my-model")
+    save_diff(folder / "out" / "my-model", tokenizer)
+    save_diff(folder / "runs" / "my-model", tokenizer)
 
 
-def run_code(block: Block, folder: Path, namespace: dict) -> None:
-    if block.language == "python":
-        previous = os.getcwd()
-        os.chdir(folder)
-        try:
-            exec(compile(block.code, f"block {block.name}", "exec"), namespace)
-        finally:
-            os.chdir(previous)
-        return
-    script = "\n".join(line for line in block.code.splitlines() if not line.startswith(LEFT_OUT))
+def block_with(key: str) -> Block:
+    return next(b for b in DOC_BLOCKS if key in b.code)
+
+
+def run_code(block: Block, folder: Path) -> None:
+    """The block in its own process, in `folder`."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env, capture_output=True,
-                            text=True, timeout=1800)
+    if block.language == "python":
+        script = folder.parent / f"block-{block.index:02d}.py"
+        script.write_text(block.code)
+        command = [sys.executable, str(script)]
+    else:
+        code = "\n".join(line for line in block.code.splitlines() if not line.startswith(LEFT_OUT))
+        command = ["bash", "-euo", "pipefail", "-c", code]
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"block {block.name} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
 
 
-class Walkthrough:
-    """The reader's folder and namespace; runs the blocks in order, each once."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.namespace, self.done = folder, {}, set()
-
-    def run_through(self, block: Block) -> None:
-        for earlier in DOC_BLOCKS[: block.index + 1]:
-            if earlier.index not in self.done and earlier.mode in ("fast", "slow"):
-                self.done.add(earlier.index)
-                run_code(earlier, self.folder, self.namespace)
+def files_in(folder: Path) -> set[Path]:
+    return {path.relative_to(folder) for path in folder.rglob("*") if not path.is_dir()}
 
 
 @pytest.fixture(scope="module")
-def walkthrough(tmp_path_factory) -> Walkthrough:
-    folder = tmp_path_factory.mktemp("reader")
+def placeholders(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("placeholders")
     make_placeholders(folder)
-    return Walkthrough(folder)
+    return folder
+
+
+def reader_folder(placeholders: Path, folder: Path, block: Block) -> Path:
+    """A copy of the placeholders, less those `block` writes itself."""
+    own = {path for path, key in WRITTEN_BY.items() if key in block.code}
+    shutil.copytree(placeholders, folder, symlinks=True,
+                    ignore=lambda parent, names: [n for n in names if str(Path(parent, n).relative_to(placeholders))
+                                                  in own])
+    return folder
 
 
 def test_every_block_is_mapped():
     unmapped = [b.name for b in DOC_BLOCKS if b.mode not in ("fast", "slow", "gpu", "isolated")
                 and not b.mode.startswith(SKIP)]
     assert not unmapped, f"blocks with no (or several) entries in BLOCKS: {unmapped}"
-    matches = {key: sum(key in b.code for b in DOC_BLOCKS) for key in BLOCKS}
-    assert all(n == 1 for n in matches.values()), f"each BLOCKS entry must match one block: {matches}"
+    keys = [*BLOCKS, *NEEDS, *NEEDS.values(), *WRITTEN_BY.values()]
+    matches = {key: sum(key in b.code for b in DOC_BLOCKS) for key in keys}
+    assert all(n == 1 for n in matches.values()), f"each key of the tables must match one block: {matches}"
 
 
 def test_every_docs_page_is_read():
@@ -219,8 +242,15 @@ def test_relative_links_resolve():
 
 @pytest.mark.parametrize("block", [pytest.param(b, marks=marks(b.mode), id=b.name)
                                    for b in DOC_BLOCKS if b.mode != "isolated"])
-def test_readme_block_runs(walkthrough, block):
-    walkthrough.run_through(block)
+def test_readme_block_runs(placeholders, tmp_path, block):
+    folder = reader_folder(placeholders, tmp_path / "reader", block)
+    for key, earlier in NEEDS.items():
+        if key in block.code:
+            run_code(block_with(earlier), folder)
+    before = files_in(folder)
+    run_code(block, folder)
+    outside = sorted(str(path) for path in files_in(folder) - before if path.parts[0] != "runs")
+    assert not outside, f"block {block.name} wrote {outside}: write under runs/ (git-ignored) instead"
 
 
 def repository_copy(folder: Path) -> Path:

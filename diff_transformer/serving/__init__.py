@@ -2,7 +2,7 @@
 in each of its processes; `serve` starts vLLM's OpenAI-compatible server on a folder. vLLM is imported only inside
 these functions, so `import diff_transformer` never needs it."""
 
-from .server import add_serve_arguments, serve
+from .server import serve
 
 ARCHITECTURE = "DiffForCausalLM"
 MODEL_CLASS = "diff_transformer.serving.vllm_model:DiffForCausalLM"
@@ -42,4 +42,4 @@ def guard_transformers_backend(registry, model_type: str) -> None:
     registry._try_resolve_transformers = guarded
 
 
-__all__ = ["register", "serve", "add_serve_arguments"]
+__all__ = ["register", "serve"]

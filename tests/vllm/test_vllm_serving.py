@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
 
 from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
-from diff_transformer.tools.cli import main as cli_main  # noqa: E402
 from diff_transformer.tools.tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer  # noqa: E402
+from diff_transformer_cli import main as cli_main  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU build needs the size said
 
@@ -138,7 +138,7 @@ def test_unverified_tensor_parallel_is_refused(tmp_path):
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diff_transformer.tools.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "diff_transformer_cli", *argv], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -224,7 +224,7 @@ def test_server_answers_openai_requests_like_pipeline(trained_folder, tmp_path):
     (the folder's chat template) with pipeline's prompt and greedy tokens; the server is stopped by its PID."""
     port, log = free_port(), tmp_path / "server.log"
     with log.open("w") as sink:
-        server = subprocess.Popen([sys.executable, "-m", "diff_transformer.tools.cli", "serve", str(trained_folder),
+        server = subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", "serve", str(trained_folder),
                                    "--port", str(port), "--dtype", "float32", "--served-model-name", "diff",
                                    "--max-model-len", "128", "--vllm-args", "--enforce-eager --seed 0"],
                                   stdout=sink, stderr=subprocess.STDOUT)

@@ -1,0 +1,370 @@
+"""`diff-transformer` command line: train a tiny DIFF model (arXiv 2410.05258), generate from a saved one, convert
+checkpoints, evaluate retrieval, attention noise and outliers, upload to the Hub and serve with vLLM. Add --debug to
+any command to see a traceback.
+
+This module parses and checks the arguments without importing torch or transformers, so `--help` and argument errors
+answer at once; each command then runs from `diff_transformer.tools.commands`."""
+
+import argparse
+import importlib
+import math
+import os
+import tempfile
+from pathlib import Path
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default where it has one (not for None / False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line (usage lines omitted: --help shows them), exit status 2, and defaults
+    shown in --help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return int(text)
+
+
+def as_float(text: str) -> float:
+    """float(text) when it is a finite number, else NaN (which fails every range check): 'inf', 'nan', 'x'."""
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value if math.isfinite(value) else math.nan
+
+
+def positive_float(text: str) -> float:
+    if not as_float(text) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return float(text)
+
+
+def percent(text: str) -> float:
+    if not 0 <= as_float(text) <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a percentage between 0 and 100")
+    return float(text)
+
+
+def text_file(text: str) -> str:
+    """A readable UTF-8 text file (checked up front: training a tokenizer on anything else fails obscurely)."""
+    from diff_transformer.tools.data import read_text_file
+
+    try:
+        read_text_file(text)
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def folder_config(text: str) -> dict:
+    """config.json of a local folder written by save_pretrained, with a tokenizer."""
+    folder = Path(text)
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
+    if not (folder / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} has no config.json, so it is no saved model folder; "
+                                         f"model.save_pretrained({text!r}) writes one")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
+                                         f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
+    from diff_transformer.tools.data import read_json
+
+    try:
+        return read_json(folder / "config.json")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; fix it, or save the model again with save_pretrained") from None
+
+
+def model_folder(text: str) -> str:
+    """A local folder written by save_pretrained: a readable config.json and a tokenizer."""
+    folder_config(text)
+    return text
+
+
+def diff_model_folder(text: str) -> str:
+    """A model folder whose config is a DIFF Transformer's."""
+    config = folder_config(text)
+    from diff_transformer.configuration_diff import check_model_type
+
+    try:
+        check_model_type(config, text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself when it exists, else its closest existing parent."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (made with its parents where missing), or None: probed with a real
+    file, which also finds read-only mounts."""
+    existing = nearest_existing(folder)
+    if not existing.is_dir():
+        return f"{existing} is a file, so no folder can be made there"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as error:
+        return f"cannot write in {existing} ({error.strerror})"
+
+
+def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--output PREFIX of an evaluation: its folder can be written, checked before the evaluation runs."""
+    problem = unwritable(Path(args.output).parent)
+    if problem:
+        parser.error(f"--output {args.output}: {problem}; choose another --output")
+
+
+def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """train's --output: writable, and not a saved model unless --overwrite."""
+    problem = unwritable(Path(args.output))
+    if problem:
+        parser.error(f"--output {args.output}: {problem}; choose another --output")
+    if (Path(args.output) / "config.json").is_file() and not args.overwrite:
+        parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
+                     "replace it, or choose another --output")
+
+
+def local_folder_or_hub_id(text: str) -> str:
+    """A local folder or a Hub id; a missing local folder fails here rather than after a minute of Hub retries."""
+    from diff_transformer.configuration_diff import check_local_path
+
+    try:
+        check_local_path(text)
+    except FileNotFoundError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def parse_layers(text: str) -> list[int]:
+    """'1-11' or '1,3,5' (0-based, ranges inclusive) -> layer indices."""
+    layers = []
+    for part in text.split(","):
+        start, _, end = part.strip().partition("-")
+        if not start.isdigit() or not (end or start).isdigit() or int(end or start) < int(start):
+            raise argparse.ArgumentTypeError(f"{text!r}: give 0-based layers as a range '1-11' or a list '2,4'")
+        layers.extend(range(int(start), int(end or start) + 1))
+    return layers
+
+
+def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.hidden_size % (2 * args.heads):
+        parser.error(f"--hidden-size ({args.hidden_size}) must be a multiple of 2 * --heads ({2 * args.heads}): "
+                     "each head has two query/key sub-heads of hidden / (2 heads) dims")
+    if args.data is None and args.pairs > args.keys:
+        parser.error(f"--pairs ({args.pairs}) cannot exceed --keys ({args.keys}): each pair uses a distinct key")
+    check_output_folder(args, parser)
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes."""
+    common = Parser(add_help=False)
+    common.add_argument("--threads", type=positive_int,
+                        help="CPU threads (default: 1 for models under 10M parameters or machines with <= 2 cores, "
+                             "else half the cores; more threads than that oversubscribe a busy machine)")
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    return common
+
+
+def add_train_parser(commands, common) -> Parser:
+    parser = commands.add_parser("train", parents=[common], help="train a tiny model (default: synthetic retrieval)",
+                                 description="Train a DIFF model with Trainer, save it, reload it and generate.")
+    parser.add_argument("--data", type=text_file,
+                        help="a UTF-8 text file to train on, with a byte-level BPE tokenizer trained on it; "
+                             "omitted: the built-in synthetic key/value retrieval task")
+    parser.add_argument("--output", default="runs/diff-tiny", help="folder for the model and tokenizer")
+    parser.add_argument("--max-steps", type=positive_int, default=10000, help="training budget in optimizer steps")
+    parser.add_argument("--minutes", type=positive_float,
+                        help="optional wall-clock cap; warns when it stops training before --max-steps")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--learning-rate", type=positive_float, default=5e-3, help="peak AdamW learning rate (cosine)")
+    parser.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    parser.add_argument("--heads", type=positive_int, default=4,
+                        help="differential heads h; head_dim = hidden-size / (2h)")
+    parser.add_argument("--block-size", type=positive_int, default=128, help="sequence length for --data")
+    parser.add_argument("--vocab-size", type=positive_int, default=2048, help="BPE vocabulary size for --data")
+    parser.add_argument("--examples", type=positive_int, default=100_000, help="synthetic training sequences")
+    parser.add_argument("--pairs", type=positive_int, default=2,
+                        help="key/value pairs per synthetic sequence")
+    parser.add_argument("--keys", type=positive_int, default=16,
+                        help="distinct keys (and values) of the synthetic task")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
+                        help="attention backend (docs/backends.md); diff_flash needs CUDA and triton")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (also on CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, initialisation and order")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="save the built-in chat template (<|user|>...</s><|assistant|>...</s>) with the "
+                             "tokenizer; the built-in task then trains on chat turns")
+    parser.add_argument("--prompt", help="prompt for the closing generation (default: a held-out task prompt, or "
+                                         "'ROMEO:' with --data)")
+    parser.add_argument("--max-new-tokens", type=positive_int,
+                        help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the saved model in --output (refused without it)")
+    parser.set_defaults(run="train", check=check_train_args)
+    return parser
+
+
+def add_generate_parser(commands, common) -> Parser:
+    parser = commands.add_parser("generate", parents=[common], help="generate from a saved model folder",
+                                 description="Continue a prompt with pipeline('text-generation').")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder (model + tokenizer)")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--truncate-prompt", action="store_true",
+                        help="keep the end of a prompt too long for the model's context (refused without it)")
+    parser.set_defaults(run="run_generate")
+    return parser
+
+
+def add_convert_parser(commands, common) -> Parser:
+    parser = commands.add_parser("convert", parents=[common], help="convert a Llama/Mistral/Qwen2 or DiffLlama model",
+                                 description="Convert a checkpoint into a DIFF model with the same logits.")
+    parser.add_argument("src", type=local_folder_or_hub_id, help="source folder or Hub id")
+    parser.add_argument("out", help="output folder (model, generation config, tokenizer files)")
+    parser.add_argument("--layers", type=parse_layers,
+                        help="0-based layers to make differential, e.g. '1-11' or '2,4' (default: all)")
+    parser.add_argument("--allow-sliding-window", action="store_true",
+                        help="convert a sliding-window model anyway (outputs match only within the window)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype to load and save in ('auto': the checkpoint's)")
+    parser.set_defaults(run="run_convert")
+    return parser
+
+
+def add_eval_needle_parser(commands, common) -> Parser:
+    parser = commands.add_parser("eval-needle", parents=[common], help="multi-needle retrieval accuracy",
+                                 description="Multi-needle retrieval (paper §3.4): greedy accuracy per context length "
+                                             "and answer depth. Writes PREFIX.md and, with matplotlib, PREFIX.png.")
+    parser.add_argument("model", type=model_folder,
+                        help="saved model folder with a tokenizer for English text (any causal LM, for baselines)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096],
+                        help="prompt lengths in tokens (context + question)")
+    parser.add_argument("--depths", type=percent, nargs="+", default=[0, 25, 50, 75, 100],
+                        help="depth of the queried needles in the context, in %%")
+    parser.add_argument("--needles", type=positive_int, default=6,
+                        help="needles N in the context (at most one per built-in city)")
+    parser.add_argument("--queries", type=positive_int, default=2,
+                        help="queried needles R (<= --needles), placed together at the depth")
+    parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--output", default="runs/needle", help="output prefix: PREFIX.md and PREFIX.png")
+    parser.set_defaults(run="run_eval_needle", check=check_output_prefix)
+    return parser
+
+
+def add_attention_noise_parser(commands, common) -> Parser:
+    parser = commands.add_parser("attention-noise", parents=[common], help="attention to the answer vs the rest",
+                                 description="Attention of the answering position to the answer needle and to the "
+                                             "rest of the context per layer (paper Table 3). Writes PREFIX.md and, "
+                                             "with matplotlib, PREFIX.png.")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
+    parser.add_argument("--baseline", type=model_folder,
+                        help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
+    parser.add_argument("--length", type=positive_int, default=1024, help="prompt length in tokens")
+    parser.add_argument("--needles", type=positive_int, default=6,
+                        help="needles in the context (at most one per built-in city)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
+    parser.add_argument("--output", default="runs/attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
+    parser.set_defaults(run="run_attention_noise", check=check_output_prefix)
+    return parser
+
+
+def add_outliers_parser(commands, common) -> Parser:
+    parser = commands.add_parser("outliers", parents=[common], help="top-k activation magnitudes vs the median",
+                                 description="Top-k magnitudes and the median of attention logits and hidden "
+                                             "states (paper Table 5).")
+    parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
+    parser.add_argument("--baseline", type=model_folder, help="saved baseline model using the same tokenizer")
+    parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")
+    parser.add_argument("--top-k", type=positive_int, default=3, help="largest magnitudes to report")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the probe text")
+    parser.set_defaults(run="run_outliers")
+    return parser
+
+
+def add_upload_parser(commands, common) -> Parser:
+    parser = commands.add_parser("upload", parents=[common], help="publish a saved folder to the Hugging Face Hub",
+                                 description="Write the model card, code and client defaults into a saved folder, "
+                                             "check that it loads with trust_remote_code=True, then upload it.")
+    parser.add_argument("model_dir", type=Path, help="folder written by save_pretrained (model + tokenizer)")
+    parser.add_argument("repo_id", help="Hub repository, 'user-or-org/model-name'")
+    parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
+    parser.set_defaults(run="run_upload")
+    return parser
+
+
+def add_serve_parser(commands, common) -> Parser:
+    parser = commands.add_parser("serve", parents=[common], help="serve a saved folder with vLLM (OpenAI API)",
+                                 description="Start vLLM's OpenAI-compatible server on a saved DIFF model folder.")
+    parser.add_argument("model", help="folder written by save_pretrained (model + tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto, float32, bfloat16, float16")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the config's)")
+    parser.add_argument("--kv-cache-gib", type=int, default=1,
+                        help="KV-cache size in GiB on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE; GPUs size it)")
+    parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
+    parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
+                                                        "(e.g. \"--seed 0 --enforce-eager\")")
+    parser.set_defaults(run="serve")
+    return parser
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="diff-transformer", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
+    common = common_options()
+    for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
+                add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser):
+        command = add(commands, common)
+        command.set_defaults(command_parser=command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    command = args.command_parser
+    if hasattr(args, "check"):
+        args.check(args, command)
+    run = getattr(importlib.import_module("diff_transformer.tools.commands"), args.run)
+    try:
+        run(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
+        if args.debug:
+            raise
+        command.exit(130, f"{command.prog}: {str(stop) or 'interrupted'}\n")
+    except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
+        if args.debug:
+            raise
+        command.exit(2, f"{command.prog}: error: {' '.join(str(error).split())} (--debug shows the traceback)\n")
+
+
+if __name__ == "__main__":
+    main()
