@@ -6,6 +6,8 @@ reader brings (PLACEHOLDERS: `my_corpus.txt`, `path/to/llama`, `out/my-model`, `
 `runs/my-model`, the folder the docs' `train` command writes) and the repository's `tests/`, `configs/` and
 `examples/`, as in a clone; a block that loads what an earlier block on its page writes runs after that block (NEEDS).
 Whatever a block writes must go under `runs/` (git-ignored), so the pages' snippets leave nothing in a clone's root.
+The slow suite runs each block once more in a fresh venv holding the package and only the extra its page names
+(EXTRAS), and the README's main command in a fresh copy of the repository, as it says.
 Each block needs an entry in BLOCKS, and each docs page an entry in PAGES, so a new or changed block cannot go
 untested. Relative links between the pages must point at files that exist.
 """
@@ -16,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +85,8 @@ NEEDS = {
         "torchrun --nproc_per_node 2 examples/fsdp_train.py runs/fsdp",
     "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "diff-transformer convert path/to/llama runs/diff-llama",
 }
+# block -> the extra its page says to install for it (`pip install -e ".[extra]"`)
+EXTRAS = {"modules_to_save=DIFF_TRAINABLE_MODULES))": "peft", "class Logits(torch.nn.Module):": "export"}
 # placeholder folder -> the block that writes it itself (it runs without the placeholder)
 WRITTEN_BY = {"runs/my-model": "diff-transformer train --data my_corpus.txt --output runs/my-model"}
 
@@ -166,14 +171,19 @@ def block_with(key: str) -> Block:
     return next(b for b in DOC_BLOCKS if key in b.code)
 
 
-def run_code(block: Block, folder: Path) -> None:
-    """The block in its own process, in `folder`."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT)}
+def run_code(block: Block, folder: Path, python: Path | None = None) -> None:
+    """The block in its own process, in `folder`: under this interpreter with the working tree importable, or under
+    `python`, a venv's, with what is installed there and nothing else."""
+    if python is None:
+        python = Path(sys.executable)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = f"{python.parent}{os.pathsep}{env['PATH']}"
     if block.language == "python":
         script = folder.parent / f"block-{block.index:02d}.py"
         script.write_text(block.code)
-        command = [sys.executable, str(script)]
+        command = [str(python), str(script)]
     else:
         code = "\n".join(line for line in block.code.splitlines() if not line.startswith(LEFT_OUT))
         command = ["bash", "-euo", "pipefail", "-c", code]
@@ -205,7 +215,7 @@ def test_every_block_is_mapped():
     unmapped = [b.name for b in DOC_BLOCKS if b.mode not in ("fast", "slow", "gpu", "isolated")
                 and not b.mode.startswith(SKIP)]
     assert not unmapped, f"blocks with no (or several) entries in BLOCKS: {unmapped}"
-    keys = [*BLOCKS, *NEEDS, *NEEDS.values(), *WRITTEN_BY.values()]
+    keys = [*BLOCKS, *NEEDS, *NEEDS.values(), *WRITTEN_BY.values(), *EXTRAS]
     matches = {key: sum(key in b.code for b in DOC_BLOCKS) for key in keys}
     assert all(n == 1 for n in matches.values()), f"each key of the tables must match one block: {matches}"
 
@@ -243,14 +253,44 @@ def test_relative_links_resolve():
 @pytest.mark.parametrize("block", [pytest.param(b, marks=marks(b.mode), id=b.name)
                                    for b in DOC_BLOCKS if b.mode != "isolated"])
 def test_readme_block_runs(placeholders, tmp_path, block):
-    folder = reader_folder(placeholders, tmp_path / "reader", block)
+    run_alone(block, reader_folder(placeholders, tmp_path / "reader", block))
+
+
+def run_alone(block: Block, folder: Path, python: Path | None = None) -> None:
+    """`block` after the blocks it NEEDS, in `folder`; it may write only under runs/."""
     for key, earlier in NEEDS.items():
         if key in block.code:
-            run_code(block_with(earlier), folder)
+            run_code(block_with(earlier), folder, python)
     before = files_in(folder)
-    run_code(block, folder)
+    run_code(block, folder, python)
     outside = sorted(str(path) for path in files_in(folder) - before if path.parts[0] != "runs")
     assert not outside, f"block {block.name} wrote {outside}: write under runs/ (git-ignored) instead"
+
+
+@pytest.fixture(scope="module")
+def fresh_venvs(tmp_path_factory) -> Callable[[str], Path]:
+    """extra ("" for none) -> the python of a fresh venv with `pip install -e ".[extra]"` alone, made on first use."""
+    pythons = {}
+
+    def python(extra: str) -> Path:
+        if extra not in pythons:
+            venv = tmp_path_factory.mktemp(f"venv-{extra or 'base'}")
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            target = f"{ROOT}[{extra}]" if extra else str(ROOT)
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", target], check=True,
+                           capture_output=True, timeout=1800)
+            pythons[extra] = venv / "bin" / "python"
+        return pythons[extra]
+
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.name) for b in DOC_BLOCKS if b.mode in ("fast", "slow")])
+def test_readme_block_in_fresh_venv(placeholders, fresh_venvs, tmp_path, block):
+    """As a reader who installs only what the page names (EXTRAS) runs it."""
+    extra = next((extra for key, extra in EXTRAS.items() if key in block.code), "")
+    run_alone(block, reader_folder(placeholders, tmp_path / "reader", block), fresh_venvs(extra))
 
 
 def repository_copy(folder: Path) -> Path:
