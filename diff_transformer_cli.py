@@ -353,9 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command_parser
     if hasattr(args, "check"):
         args.check(args, command)
-    run = getattr(importlib.import_module("diff_transformer.tools.commands"), args.run)
     try:
-        run(args)
+        getattr(importlib.import_module("diff_transformer.tools.commands"), args.run)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
         if args.debug:
             raise
