@@ -14,6 +14,7 @@ from pathlib import Path
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+COMMANDS = "diff_transformer.tools.commands"  # where each command runs, imported after parsing
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -224,7 +225,7 @@ def add_train_parser(commands, common) -> Parser:
                         help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the saved model in --output (refused without it)")
-    parser.set_defaults(run="train", check=check_train_args)
+    parser.set_defaults(run=f"{COMMANDS}:train", check=check_train_args)
     return parser
 
 
@@ -237,7 +238,7 @@ def add_generate_parser(commands, common) -> Parser:
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--truncate-prompt", action="store_true",
                         help="keep the end of a prompt too long for the model's context (refused without it)")
-    parser.set_defaults(run="run_generate")
+    parser.set_defaults(run=f"{COMMANDS}:run_generate")
     return parser
 
 
@@ -252,7 +253,7 @@ def add_convert_parser(commands, common) -> Parser:
                         help="convert a sliding-window model anyway (outputs match only within the window)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype to load and save in ('auto': the checkpoint's)")
-    parser.set_defaults(run="run_convert")
+    parser.set_defaults(run=f"{COMMANDS}:run_convert")
     return parser
 
 
@@ -273,7 +274,7 @@ def add_eval_needle_parser(commands, common) -> Parser:
     parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--output", default="runs/needle", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run="run_eval_needle", check=check_output_prefix)
+    parser.set_defaults(run=f"{COMMANDS}:run_eval_needle", check=check_output_prefix)
     return parser
 
 
@@ -290,7 +291,7 @@ def add_attention_noise_parser(commands, common) -> Parser:
                         help="needles in the context (at most one per built-in city)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="runs/attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run="run_attention_noise", check=check_output_prefix)
+    parser.set_defaults(run=f"{COMMANDS}:run_attention_noise", check=check_output_prefix)
     return parser
 
 
@@ -303,7 +304,7 @@ def add_outliers_parser(commands, common) -> Parser:
     parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")
     parser.add_argument("--top-k", type=positive_int, default=3, help="largest magnitudes to report")
     parser.add_argument("--seed", type=int, default=0, help="seed of the probe text")
-    parser.set_defaults(run="run_outliers")
+    parser.set_defaults(run=f"{COMMANDS}:run_outliers")
     return parser
 
 
@@ -316,7 +317,7 @@ def add_upload_parser(commands, common) -> Parser:
     parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
-    parser.set_defaults(run="run_upload")
+    parser.set_defaults(run=f"{COMMANDS}:run_upload")
     return parser
 
 
@@ -333,7 +334,7 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
-    parser.set_defaults(run="serve")
+    parser.set_defaults(run="diff_transformer.serving:serve")
     return parser
 
 
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(args, "check"):
         args.check(args, command)
     try:
-        getattr(importlib.import_module("diff_transformer.tools.commands"), args.run)(args)
+        module, _, function = args.run.partition(":")
+        getattr(importlib.import_module(module), function)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
         if args.debug:
             raise

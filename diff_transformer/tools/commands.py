@@ -26,7 +26,6 @@ from transformers import (
 from diff_transformer_cli import nearest_existing
 
 from .. import DiffConfig, DiffForCausalLM
-from ..serving import serve  # noqa: F401 (diff_transformer_cli runs commands by name)
 from .data import KeyValueTask, TokenBlocks, retrieval_accuracy, task_dataset, text_file_dataset
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
 
