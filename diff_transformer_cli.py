@@ -6,9 +6,9 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs from `diff_transformer.tools.commands`."""
 
 import argparse
-import importlib
 import math
 import os
+import pkgutil
 import tempfile
 from pathlib import Path
 
@@ -355,8 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(args, "check"):
         args.check(args, command)
     try:
-        module, _, function = args.run.partition(":")
-        getattr(importlib.import_module(module), function)(args)
+        pkgutil.resolve_name(args.run)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
         if args.debug:
             raise
