@@ -18,6 +18,7 @@ from .modeling_diff import (
     DiffPreTrainedModel,
     capture_branch_attentions,
 )
+from .multihead_diffattn import MultiheadDiffAttn, rotary_rel_pos
 
 AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
 AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
@@ -37,4 +38,6 @@ __all__ = [
     "DiffForCausalLM",
     "DiffForSequenceClassification",
     "capture_branch_attentions",
+    "MultiheadDiffAttn",
+    "rotary_rel_pos",
 ]

@@ -103,9 +103,24 @@ def check_cache_argument(kwargs: dict) -> None:
                             f"it; pass the cache as `{CACHE_KWARG}`")
 
 
+def upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """fp32, or float64 for float64 inputs (the precision of the differential math, whatever the input dtype)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
-    """Paper eq. (1): lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32."""
-    return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init
+    """Paper eq. (1): lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32 (float64 for float64)."""
+    return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init
+
+
+class SubLN(LlamaRMSNorm):
+    """Llama's RMSNorm over one head's output [..., dv] (paper §2.1 GroupNorm), in fp32 or, for float64 inputs,
+    float64 (LlamaRMSNorm computes in fp32 whatever the input)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = upcast(hidden_states)
+        return self.weight * (hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True)
+                                                         + self.variance_epsilon))
 
 
 class DiffLambda(nn.Module):
@@ -167,8 +182,8 @@ def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 
 def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """fp32 scores q k^T * scaling [B, H, T, S] with transformers' mask applied (`mask_scores_`)."""
-    scores = torch.matmul(q.float() * scaling, k.float().transpose(2, 3))
+    """fp32 (float64) scores q k^T * scaling [B, H, T, S] with transformers' mask applied (`mask_scores_`)."""
+    scores = torch.matmul(upcast(q) * scaling, upcast(k).transpose(2, 3))
     return mask_scores_(scores, None if mask is None else mask[..., : k.shape[2]])
 
 
@@ -188,7 +203,7 @@ def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
         branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
     diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2
-    return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
+    return torch.matmul(diff_map, upcast(v)).transpose(1, 2), diff_map.to(q.dtype)
 
 
 def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
@@ -330,7 +345,7 @@ class DiffAttention(DifferentialAttentionBase):
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
         self.use_subln = config.use_subln
-        self.subln = LlamaRMSNorm(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()  # per head
+        self.subln = SubLN(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()  # per head
         self.set_lambda_init(lambda_init)
 
     def set_lambda_init(self, value: float) -> None:

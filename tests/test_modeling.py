@@ -88,8 +88,10 @@ def test_lambda_formula_and_init():
     q1, k1, q2, k2 = (torch.randn(8, dtype=torch.float64) for _ in range(4))
     value = compute_lambda(q1, k1, q2, k2, 0.3)
     expected = math.exp(float(q1 @ k1)) - math.exp(float(q2 @ k2)) + 0.3
-    assert value.dtype == torch.float32
-    assert value.item() == pytest.approx(expected, rel=1e-6)
+    assert value.dtype == torch.float64  # fp32 at least: float64 stays float64
+    assert value.item() == pytest.approx(expected, rel=1e-12)
+    low = compute_lambda(*(t.bfloat16() for t in (q1, k1, q2, k2)), 0.3)
+    assert low.dtype == torch.float32  # bf16 (or fp16) vectors: lambda in fp32
     model = build_model(hidden_size=256, num_attention_heads=2, num_hidden_layers=4)  # d = 64
     vectors = torch.cat([torch.cat([p.q1, p.k1, p.q2, p.k2]) for p in
                          (layer.self_attn.lambda_params for layer in model.model.layers)])

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Reading order.
 PAGES = ("README.md", "docs/backends.md", "docs/ecosystem.md", "docs/export.md", "docs/conversion.md",
          "docs/evaluation.md", "docs/troubleshooting.md", "docs/versions.md", "docs/serving.md", "docs/design.md",
-         "docs/kernels.md")
+         "docs/kernels.md", "docs/unilm.md")
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP = "skip: "
 # A text that identifies each block -> how it is tested: "fast" (default run), "slow", "gpu", "isolated" (slow, in a
@@ -42,6 +42,8 @@ SKIP = "skip: "
 BLOCKS = {
     "python3 -m venv .venv": "isolated",
     "bash .ci/run": SKIP + "the test suite itself",
+    "MultiheadDiffAttn(embed_dim=256": "fast",
+    "back = unilm_to_diff(state": "fast",
     "python benchmarks/paper_small.py --tasks text": SKIP + "the experiment itself (RESULTS.md has its run time); "
     "tests/test_evaluation.py runs its --quick mode",
     "config = DiffConfig(vocab_size=1000": "fast",
