@@ -2,7 +2,8 @@
 `target_modules`, and prefix tuning's virtual-token cache in the shapes DIFF layers cache.
 
 LoRA targets every attention and MLP projection. Other PEFT methods reuse their Llama defaults, since the
-module names follow Llama. The differential parameters are not Linear layers: train them with
+module names follow Llama. No default adapts the differential parameters (V1's lambda vectors and SubLN gain, which
+are not Linear layers, and V2's per-token lambda projection): train them with any method through
 `modules_to_save=DIFF_TRAINABLE_MODULES`.
 
 Prefix tuning (and CARTRIDGE, which shares its cache) gives every layer `num_virtual_tokens` cached keys and values.
@@ -31,7 +32,7 @@ except ImportError:  # peft is optional: without it there is nothing to register
     constants = peft_model = None
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DIFF_TRAINABLE_MODULES = ["lambda_params", "subln"]
+DIFF_TRAINABLE_MODULES = ["lambda_params", "subln", "lambda_proj"]  # V1 lambda and SubLN; V2's lambda projection
 PREFIX_TYPES = ("PREFIX_TUNING", "CARTRIDGE")  # the methods that hand the model a virtual-token cache
 
 
