@@ -67,7 +67,8 @@ def fit_prefix(prefix: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if new_heads % heads or group * new_width > width:
         raise ValueError(
             f"the prefix-tuning cache holds {heads} heads of {width} per layer, which cannot feed a layer caching "
-            f"{new_heads} heads of {new_width}; build the PEFT model with get_peft_model on the whole, unsharded model"
+            f"{new_heads} heads of {new_width}: prefix tuning needs every kv head of a layer in one process (not a "
+            "tensor-parallel shard)"
         )
     prefix = prefix[..., : group * new_width].reshape(batch, heads, length, group, new_width)
     return prefix.transpose(2, 3).reshape(batch, new_heads, length, new_width)  # [B, H', N, D']
@@ -137,6 +138,7 @@ def with_prefix_handover(prepare):
 
 
 def register_peft_defaults(model_type: str = DiffConfig.model_type) -> None:
+    """Put the defaults in peft's tables (a no-op without peft; registering twice changes nothing)."""
     for name, mapping in target_module_mappings().items():
         if name == "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING":
             mapping[model_type] = list(LORA_TARGET_MODULES)
