@@ -534,6 +534,11 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def embedding_rows(embedding: nn.Module) -> int:
+    """The rows of an input embedding, also one an adapter wraps (peft's trainable tokens, LoRA on embeddings)."""
+    return (embedding.get_base_layer() if hasattr(embedding, "get_base_layer") else embedding).num_embeddings
+
+
 class DiffModel(DiffPreTrainedModel, LlamaModel):
     def __init__(self, config: DiffConfig):
         PreTrainedModel.__init__(self, config)  # LlamaModel's modules, with DIFF decoder layers
@@ -552,7 +557,7 @@ class DiffModel(DiffPreTrainedModel, LlamaModel):
     def forward(self, input_ids: torch.LongTensor | None = None, *args, **kwargs) -> BaseModelOutputWithPast:
         check_cache_argument(kwargs)
         if input_ids is not None:
-            check_token_ids(input_ids, self.embed_tokens.num_embeddings)  # not config.vocab_size: resizing
+            check_token_ids(input_ids, embedding_rows(self.embed_tokens))  # not config.vocab_size: resizing
         return super().forward(input_ids, *args, **kwargs)
 
 
