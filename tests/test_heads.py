@@ -20,7 +20,13 @@ from transformers import (
 )
 
 import diff_transformer
-from diff_transformer import DiffForCausalLM, DiffForQuestionAnswering, DiffForTokenClassification, DiffModel
+from diff_transformer import (
+    DiffForCausalLM,
+    DiffForQuestionAnswering,
+    DiffForSequenceClassification,
+    DiffForTokenClassification,
+    DiffModel,
+)
 from diff_transformer.folder_defaults import AUTO_MODEL_CLASSES
 
 NUM_LABELS = 5
@@ -251,10 +257,14 @@ def test_trust_remote_code_without_the_package(tmp_path):
     assert "qa ok DiffForQuestionAnswering DiffForQuestionAnswering" in output, output
 
 
-@pytest.mark.parametrize("kind, task_type, head", [("token", "TOKEN_CLS", "score"), ("qa", "QUESTION_ANS", "qa_outputs")])
-def test_peft_task_types(kind, task_type, head):
+@pytest.mark.parametrize("head_class, task_type, head", [
+    (DiffForTokenClassification, "TOKEN_CLS", "score"), (DiffForQuestionAnswering, "QUESTION_ANS", "qa_outputs"),
+    (DiffForSequenceClassification, "SEQ_CLS", "score"),
+])
+def test_peft_task_types(head_class, task_type, head):
     """LoraConfig with only the task type: LoRA on the default projections, the head trained in full."""
-    model = get_peft_model(build_head(kind), LoraConfig(task_type=task_type, r=4, lora_alpha=8))
+    torch.manual_seed(0)
+    model = get_peft_model(head_class(tiny_config(num_labels=NUM_LABELS)), LoraConfig(task_type=task_type, r=4))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any(".q_proj.lora_A." in name for name in trainable), sorted(trainable)
     assert any(f"{head}.modules_to_save." in name for name in trainable), sorted(trainable)
