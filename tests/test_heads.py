@@ -225,7 +225,7 @@ def test_a_causal_lm_folder_loads_as_every_head(tmp_path):
 def test_trust_remote_code_without_the_package(tmp_path):
     """In an interpreter without `diff_transformer`: each head's own folder, and a causal LM's folder, load through
     the Auto classes with trust_remote_code=True; the heads' logits equal the package's, and the LM's backbone
-    carries over."""
+    carries over (into the sequence classifier too, whose backbone the folder's code builds the same way)."""
     batch = torch.randint(3, 97, (2, 6))
     expected = {}
     for kind in HEADS:
@@ -252,9 +252,14 @@ def test_trust_remote_code_without_the_package(tmp_path):
             assert type(head).__name__.endswith(type(model).__name__[4:]), type(head)
             assert torch.equal(head.model.embed_tokens.weight, saved["embed"]), kind
             print(kind, "ok", type(model).__name__, type(head).__name__)
+        from transformers import AutoModelForSequenceClassification
+        head = AutoModelForSequenceClassification.from_pretrained({str(tmp_path / "lm")!r}, trust_remote_code=True)
+        assert torch.equal(head.model.embed_tokens.weight, saved["embed"])
+        print("seq ok", type(head).__name__)
     """, tmp_path)
     assert "token ok DiffForTokenClassification DiffForTokenClassification" in output, output
     assert "qa ok DiffForQuestionAnswering DiffForQuestionAnswering" in output, output
+    assert "seq ok DiffForSequenceClassification" in output, output
 
 
 @pytest.mark.parametrize("head_class, task_type, head", [
