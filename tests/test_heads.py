@@ -1,8 +1,8 @@
 """The task heads transformers gives Llama and DiffLlama, over DiffModel: token classification and question
 answering (beside the causal LM and sequence classification). Output shapes, losses against cross-entropies written
 out by hand (token labels -100 ignored; answer positions clamped and ignored past the end, as transformers does),
-gradients through the backbone against finite differences, the Auto classes with and without the package, right
-padding, PEFT task types and one real Trainer step each."""
+gradients through the backbone against its backward from the loss gradient written out by hand, the Auto classes
+with and without the package, right padding, PEFT task types and one real Trainer step each."""
 
 import json
 
@@ -55,7 +55,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore: int) -> t
     """Mean over the targets != ignore of -log softmax(logits)[target], in fp64. logits [N, C], targets [N]."""
     logits = logits.double()
     kept = targets != ignore
-    log_probs = logits[kept] - logits[kept].exp().sum(-1, keepdim=True).log()
+    log_probs = logits[kept] - logits[kept].logsumexp(-1, keepdim=True)
     return -log_probs.gather(-1, targets[kept, None]).mean()
 
 
