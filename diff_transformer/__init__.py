@@ -3,33 +3,38 @@
 Importing the package registers `DiffConfig` and the model classes with transformers' Auto classes.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-)
+import transformers
+from transformers import AutoConfig
 
+from . import modeling_diff
 from .configuration_diff import DiffConfig
+from .folder_defaults import AUTO_MODEL_CLASSES
 from .modeling_diff import (
     DiffForCausalLM,
+    DiffForQuestionAnswering,
     DiffForSequenceClassification,
+    DiffForTokenClassification,
     DiffModel,
     DiffPreTrainedModel,
     capture_branch_attentions,
 )
 from .multihead_diffattn import MultiheadDiffAttn, rotary_rel_pos
 
-AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
-AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
-AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
-AutoModelForSequenceClassification.register(DiffConfig, DiffForSequenceClassification, exist_ok=True)
 
-# save_pretrained writes `auto_map` and copies the model code, so saved folders load with trust_remote_code.
-DiffConfig.register_for_auto_class()
-DiffModel.register_for_auto_class("AutoModel")
-DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-DiffForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+def register_auto_classes() -> None:
+    """`DiffConfig` with AutoConfig and each model class with its Auto class (`AUTO_MODEL_CLASSES`); registered for
+    the Auto classes too, so that save_pretrained writes `auto_map` and copies the model code, and saved folders load
+    with trust_remote_code=True."""
+    AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
+    DiffConfig.register_for_auto_class()
+    for auto_name, class_name in AUTO_MODEL_CLASSES.items():
+        model_class = getattr(modeling_diff, class_name)
+        getattr(transformers, auto_name).register(DiffConfig, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_name)
+
+
+register_auto_classes()
 
 __all__ = [
     "DiffConfig",
@@ -37,6 +42,8 @@ __all__ = [
     "DiffModel",
     "DiffForCausalLM",
     "DiffForSequenceClassification",
+    "DiffForTokenClassification",
+    "DiffForQuestionAnswering",
     "capture_branch_attentions",
     "MultiheadDiffAttn",
     "rotary_rel_pos",

@@ -1,6 +1,6 @@
-"""What a saved DIFF Transformer folder (arXiv 2410.05258) gives its clients: the KV cache on, and generation
-defaults that stop within the context. `modeling_diff.py` applies them in `save_pretrained`, so they ship with the
-Hub code and hold for every folder the model classes write."""
+"""What a saved DIFF Transformer folder (arXiv 2410.05258) gives its clients: the KV cache on, generation defaults
+that stop within the context, and an `auto_map` naming every model class. `modeling_diff.py` applies them in
+`save_pretrained`, so they ship with the Hub code and hold for every folder the model classes write."""
 
 import copy
 import os
@@ -11,6 +11,17 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+# The Auto class of each model class in modeling_diff.py. A folder saved with the model code lists them all in
+# `auto_map`, so that it loads as any of them with trust_remote_code=True (a causal LM checkpoint as a token
+# classifier, say, with a new head), not only as the class that saved it.
+AUTO_MODEL_CLASSES = {
+    "AutoModel": "DiffModel",
+    "AutoModelForCausalLM": "DiffForCausalLM",
+    "AutoModelForSequenceClassification": "DiffForSequenceClassification",
+    "AutoModelForTokenClassification": "DiffForTokenClassification",
+    "AutoModelForQuestionAnswering": "DiffForQuestionAnswering",
+}
 
 
 def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) -> GenerationConfig:
@@ -24,20 +35,36 @@ def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) 
     return generation
 
 
+def full_auto_map(model: PreTrainedModel) -> dict[str, str]:
+    """`model.config.auto_map` with every entry of `AUTO_MODEL_CLASSES`, in the module of `model`'s class."""
+    module = type(model).__module__.rpartition(".")[2]
+    entries = {auto: f"{module}.{name}" for auto, name in AUTO_MODEL_CLASSES.items()}
+    return {**getattr(model.config, "auto_map", {}), **entries}
+
+
 @contextmanager
 def saved_folder_defaults(model: PreTrainedModel) -> Iterator[None]:
     """While saving: `use_cache=True` (Trainer turns the cache off for training, and exporters such as ExecuTorch
-    refuse a model without it) and `generation_defaults`; the model in memory is left as it was."""
-    use_cache, generation = model.config.use_cache, getattr(model, "generation_config", None)
-    model.config.use_cache = True
+    refuse a model without it), `generation_defaults` and, where the model code is copied into the folder (a class
+    registered for an Auto class), `full_auto_map`; the model in memory is left as it was."""
+    config = model.config
+    use_cache, generation = config.use_cache, getattr(model, "generation_config", None)
+    auto_map = vars(config).get("auto_map")
+    config.use_cache = True
     if generation is not None:
-        model.generation_config = generation_defaults(copy.deepcopy(generation), model.config)
+        model.generation_config = generation_defaults(copy.deepcopy(generation), config)
+    if model._auto_class is not None:
+        config.auto_map = full_auto_map(model)
     try:
         yield
     finally:
-        model.config.use_cache = use_cache
+        config.use_cache = use_cache
         if generation is not None:
             model.generation_config = generation
+        if auto_map is None:
+            vars(config).pop("auto_map", None)
+        else:
+            config.auto_map = auto_map
 
 
 def match_weight_file_modes(folder: str | os.PathLike) -> None:

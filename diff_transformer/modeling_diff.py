@@ -45,9 +45,15 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.auto import AutoModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -588,7 +594,25 @@ class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM):
             return super().generate(*args, **kwargs)
 
 
-class DiffForSequenceClassification(GenericForSequenceClassification, DiffPreTrainedModel): ...
+class DiffTaskHead:
+    """Base of the task heads, before transformers' generic head (`GenericFor...`), which builds the backbone with
+    `AutoModel.from_config(config)`: AutoModel finds DiffModel by the config's class. A folder loaded with
+    trust_remote_code=True imports configuration_diff.py twice (alone for AutoConfig, beside this file for the model
+    code), so `config` may be of a DiffConfig class no Auto class knows, and the package may not be imported at all;
+    the head registers it for DiffModel first."""
+
+    def __init__(self, config: DiffConfig):
+        AutoModel.register(type(config), DiffModel, exist_ok=True)
+        super().__init__(config)
+
+
+class DiffForSequenceClassification(DiffTaskHead, GenericForSequenceClassification, DiffPreTrainedModel): ...
+
+
+class DiffForTokenClassification(DiffTaskHead, GenericForTokenClassification, DiffPreTrainedModel): ...
+
+
+class DiffForQuestionAnswering(DiffTaskHead, GenericForQuestionAnswering, DiffPreTrainedModel): ...
 
 
 def differential_layers(model: nn.Module) -> list[DiffAttention]:
@@ -637,5 +661,7 @@ __all__ = [
     "DiffModel",
     "DiffForCausalLM",
     "DiffForSequenceClassification",
+    "DiffForTokenClassification",
+    "DiffForQuestionAnswering",
     "capture_branch_attentions",
 ]

@@ -54,6 +54,7 @@ BLOCKS = {
     "diff-transformer train --data my_corpus.txt --output runs/my-model": "slow",
     "modules_to_save=DIFF_TRAINABLE_MODULES))": "slow",
     'generator = pipeline("text-generation", model="runs/my-model")': "slow",
+    'AutoModelForTokenClassification.from_pretrained("runs/my-model"': "fast",
     "with init_empty_weights():": "slow",
     "torchrun --nproc_per_node 2 examples/ddp_train.py runs/ddp 2": "slow",
     "--config_file configs/accelerate_fsdp.yaml": "gpu",

@@ -23,7 +23,14 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_relative_import_files
 
-from .. import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
+from .. import (
+    DiffConfig,
+    DiffForCausalLM,
+    DiffForQuestionAnswering,
+    DiffForSequenceClassification,
+    DiffForTokenClassification,
+    DiffModel,
+)
 from ..folder_defaults import generation_defaults
 from .data import read_json
 
@@ -34,6 +41,8 @@ AUTO_CLASSES = (
     DiffModel,
     DiffForCausalLM,
     DiffForSequenceClassification,
+    DiffForTokenClassification,
+    DiffForQuestionAnswering,
 )
 CONFIG_ROWS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
