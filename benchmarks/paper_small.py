@@ -6,20 +6,26 @@ the same seeds, reported as mean and spread over seeds.
    of <city> is <number>.", then R questions, each followed by its answer, trained as language modelling; greedy
    accuracy on held-out prompts at five depths, along training and at the end.
 2. Attention to the answer and attention noise (paper Table 3) at the answering position of the trained retrieval
-   models, from the differential map A1 - lambda A2 of both differential models and the softmax map of Llama.
+   models, from the differential map A1 - lambda A2 of both differential models and the softmax map of Llama:
+   normalised (each head's row over its sum 1 - lambda, the paper's comparison), raw and the share.
 3. Validation loss curves on a text file (tiny Shakespeare by default; skipped when missing), over seeds and in one
    run several times longer, to show whether the gap to Llama closes or flips.
+4. §3.8: activation outliers (attention logits with both branches pooled, and per branch; hidden states) and fake
+   quantization of attention logits (the paper's Figure 8) and of activations (this project's extension).
 
     python benchmarks/paper_small.py --calibrate     # Llama alone per --calibrate-needles: choose the setting
     python benchmarks/paper_small.py                 # every experiment (--tasks retrieval / text: one of them)
+    python benchmarks/paper_small.py --tasks retrieval --from-saved  # recompute the report from the stored models
     python benchmarks/paper_small.py --quick         # the same pipeline at toy size, in about a minute
     python benchmarks/paper_small.py --device cuda --hidden 256 --layers 6 ...  # scaled up on a GPU
 
 Writes OUTPUT_DIR/report.md, results.json and the figures accuracy.png and attention_maps.png (retrieval) and
-loss.png (text). Runs go to `--jobs` processes; each process builds the data itself and its checksum must agree.
-Each finished run is stored in OUTPUT_DIR/runs and reused by a later call with the same settings: a stopped
-experiment resumes, and `--seeds` can grow. A run's training state is kept there too at each evaluation, so a
-stopped run resumes from its last evaluation with the same result.
+loss.png (text); OUTPUT_DIR is benchmarks/paper_small/<task> unless given. Runs go to `--jobs` processes; each
+process builds the data itself and its checksum must agree. Each finished run is stored in OUTPUT_DIR/runs (its
+figures, and its final model in bf16 with its sha256, from which every reported number is computed) and reused by a
+later call with the same settings and the same text file content: a stopped experiment resumes, and `--seeds` can
+grow. A run's training state is kept there too at each evaluation, so a stopped run resumes from its last
+evaluation with the same result.
 """
 
 import argparse
