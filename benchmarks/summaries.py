@@ -116,7 +116,8 @@ def table(groups: list[tuple[str, list[dict]]], rows: list[tuple], paper: bool =
     """Markdown: one line per (experiment, figure), one column per model, the paper's figure last where it measured
     the same thing. groups: (experiment title, its runs); rows: (experiment index, figure title, getter[, digits,
     sign, paper key])."""
-    head = "| experiment | figure | " + " | ".join(SHOWN[m] for m in MODELS) + (" | paper, same measurement |" if paper else " |")
+    names = " | ".join(SHOWN[m] for m in MODELS)
+    head = f"| experiment | figure | {names} |" + (" paper, same measurement |" if paper else "")
     out = [head, "|---|---|" + "---|" * (len(MODELS) + paper)]
     for index, title, get, *rest in rows:
         digits, sign, key = (rest + [3, False, None][len(rest):])[:3]
