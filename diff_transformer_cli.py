@@ -281,8 +281,10 @@ def add_eval_needle_parser(commands, common) -> Parser:
 def add_attention_noise_parser(commands, common) -> Parser:
     parser = commands.add_parser("attention-noise", parents=[common], help="attention to the answer vs the rest",
                                  description="Attention of the answering position to the answer needle and to the "
-                                             "rest of the context per layer (paper Table 3). Writes PREFIX.md and, "
-                                             "with matplotlib, PREFIX.png.")
+                                             "rest of the context (paper Table 3): normalised (each head's row over "
+                                             "its sum, 1 - lambda: the paper's comparison), raw and the share "
+                                             "answer / (answer + noise), overall and per layer. Writes PREFIX.md "
+                                             "and, with matplotlib, PREFIX.png.")
     parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
     parser.add_argument("--baseline", type=model_folder,
                         help="saved baseline (e.g. LlamaForCausalLM) using the same tokenizer")
@@ -297,7 +299,8 @@ def add_attention_noise_parser(commands, common) -> Parser:
 
 def add_outliers_parser(commands, common) -> Parser:
     parser = commands.add_parser("outliers", parents=[common], help="top-k activation magnitudes vs the median",
-                                 description="Top-k magnitudes and the median of attention logits and hidden "
+                                 description="Top-k magnitudes and the median of attention logits (both "
+                                             "branches pooled, and each branch of a differential layer) and hidden "
                                              "states (paper Table 5).")
     parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
     parser.add_argument("--baseline", type=model_folder, help="saved baseline model using the same tokenizer")

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,13 @@ from diff_transformer.tools.evaluation import (
     FILLER,
     NeedleSettings,
     activation_outliers,
+    allocation,
     attention_maps,
     attention_noise,
+    branches,
     build_needle_prompt,
+    causal_entries,
+    magnitude_stats,
     needle,
 )
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
@@ -71,7 +76,59 @@ def test_eval_needle_cli_writes_table_and_heatmap(tokenizer, tmp_path):
     assert (tmp_path / "needle.png").stat().st_size > 1000
 
 
-def test_attention_noise_matches_direct_sums(tokenizer, tmp_path):
+def test_allocation_on_a_hand_computed_map():
+    """Normalised (per head divided by its row sum, then averaged over heads and layers), raw and share on a
+    3-layer map worked out by hand; the layer whose row sums to 0.05 (lambda 0.95) is excluded and listed, not
+    averaged in. Keys: 0 BOS, 1-2 answer, 3 noise, 4 the question."""
+    answer = torch.tensor([False, True, True, False, False])
+    noise = torch.tensor([False, False, False, True, False])
+    a1, a2 = torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1]), torch.tensor([0.2, 0.1, 0.1, 0.4, 0.2])
+    rows = [
+        torch.stack([a1 - 0.5 * a2, torch.tensor([0.1, 0.05, 0.05, 0.2, 0.1])]),  # lambda 0.5: rows sum to 0.5
+        torch.tensor([[0.0, 0.02, 0.0, 0.03, 0.0], [0.01, 0.01, 0.01, 0.01, 0.01]]),  # lambda 0.95: sum 0.05
+        torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]]),  # softmax: sum 1
+    ]
+    got = allocation(rows, answer, noise, min_row_sum=0.1)
+    # by hand: head answers 0.5, 0.1 | 0.02, 0.02 | 0.6, 0.4; noises 0.0, 0.2 | 0.03, 0.01 | 0.2, 0.2
+    expected = {
+        "answer": [0.3, 0.02, 0.5], "noise": [0.1, 0.02, 0.2], "row_sum": [0.5, 0.05, 1.0],
+        "mean_answer": 1.64 / 6, "mean_noise": 0.64 / 6, "share": 1.64 / 2.28,
+        # kept heads: 0.5/0.5, 0.1/0.5, 0.6/1, 0.4/1 and 0/0.5, 0.2/0.5, 0.2/1, 0.2/1
+        "mean_normalized_answer": (1.0 + 0.2 + 0.6 + 0.4) / 4, "mean_normalized_noise": (0.0 + 0.4 + 0.2 + 0.2) / 4,
+    }
+    for key, value in expected.items():
+        gap = (torch.tensor(got[key], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64)).abs()
+        assert gap.max() <= 1e-6, f"{key}: {got[key]} vs {value} (max abs diff {gap.max():.2e}, mean {gap.mean():.2e})"
+    assert got["normalized_answer"][1] is None and got["normalized_noise"][1] is None
+    assert abs(got["normalized_answer"][0] - 0.6) < 1e-6 and abs(got["normalized_noise"][2] - 0.2) < 1e-6
+    assert [(layer, head) for layer, head, _ in got["excluded"]] == [(1, 0), (1, 1)]
+    assert all(abs(total - 0.05) < 1e-6 for _, _, total in got["excluded"])
+    everything = allocation(rows, answer, noise, min_row_sum=0.01)  # nothing excluded: layer 1 counts 0.4 / 0.4
+    assert abs(everything["mean_normalized_answer"] - (2.2 + 0.8) / 6) < 1e-6 and not everything["excluded"]
+    nothing = allocation(rows[1:2], answer, noise, min_row_sum=0.1)
+    assert nothing["mean_normalized_answer"] is None and nothing["share"] == pytest.approx(0.04 / 0.08)
+
+
+def test_outlier_ratio_pools_both_branches_on_a_hand_computed_map(tokenizer):
+    """One differential layer, one head per branch, 2 tokens: causal logits [1, 2, 3] (branch 1) and [10, 0.5, 4]
+    (branch 2). Pooled: top-1 10, median 2 (torch's lower middle of 0.5 1 2 3 4 10), ratio 5; branch 1 alone: 3 / 2;
+    branch 2 alone: 10 / 4."""
+    diff, llama = tiny_models(tokenizer)
+    logits = torch.tensor([[[[1.0, 99.0], [2.0, 3.0]], [[10.0, 99.0], [0.5, 4.0]]]])  # [B, 2 heads, T, T]
+    pooled = magnitude_stats([causal_entries(logits)], 1)
+    split = branches(diff.model.layers[0].self_attn, logits)
+    one, two = (magnitude_stats([causal_entries(b)], 1) for b in split)
+    assert (pooled["top"], pooled["median"], pooled["ratio"]) == ([10.0], 2.0, 5.0)
+    assert (one["ratio"], two["ratio"]) == (1.5, 2.5)
+    assert branches(llama.model.layers[0].self_attn, logits) is None, "a softmax layer has no branches"
+    ids = torch.randint(4, len(tokenizer), (1, 30))
+    report = activation_outliers(diff, ids, top_k=1)
+    tops = [report[k]["top"][0] for k in ("attention_logits, branch 1", "attention_logits, branch 2")]
+    assert report["attention_logits"]["top"][0] == max(tops), f"pooled top-1 {report['attention_logits']} vs {tops}"
+    assert set(activation_outliers(llama, ids, top_k=1)) == {"attention_logits", "hidden_states"}
+
+
+def test_attention_noise_matches_direct_sums(tokenizer, tmp_path, capsys):
     diff, llama = tiny_models(tokenizer)
     prompt = build_needle_prompt(tokenizer, 120, 50, NeedleSettings(needles=3, queries=1), random.Random(1))
     for model in (diff, llama):
@@ -86,6 +143,14 @@ def test_attention_noise_matches_direct_sums(tokenizer, tmp_path):
             expected_answer = row[positions["answer"]].sum().item()
             assert abs(report["answer"][i] - expected_answer) <= SHARE_ATOL, (
                 f"layer {i} answer share: max abs diff {abs(report['answer'][i] - expected_answer):.3e}")
+            attention = model.model.layers[i].self_attn
+            scale = 1 - attention.lambda_params().item() if model is diff else 1.0  # the row sum, 1 - lambda
+            assert abs(report["row_sum"][i] - scale) <= SHARE_ATOL, f"layer {i}: row sum {report['row_sum'][i]}"
+            expected_normalized = expected_answer / scale
+            assert abs(report["normalized_answer"][i] - expected_normalized) <= SHARE_ATOL / scale, (
+                f"layer {i} normalised answer: {report['normalized_answer'][i]} vs {expected_normalized}")
+        total = report["mean_answer"] + report["mean_noise"]
+        assert abs(report["share"] - report["mean_answer"] / total) <= SHARE_ATOL
         assert positions["answer"].sum() >= 6 and positions["noise"].sum() > positions["answer"].sum()
     llama_report = attention_noise(llama, tokenizer, prompt)
     assert all(0 <= a + n <= 1 + SHARE_ATOL for a, n in zip(llama_report["answer"], llama_report["noise"]))
@@ -97,9 +162,13 @@ def test_attention_noise_matches_direct_sums(tokenizer, tmp_path):
     for folder in ("diff", "llama"):
         tokenizer.save_pretrained(tmp_path / folder)
     out = tmp_path / "noise"
+    capsys.readouterr()
     main(["attention-noise", str(tmp_path / "diff"), "--baseline", str(tmp_path / "llama"), "--length", "100",
           "--needles", "3", "--output", str(out)])
-    assert "| mean |" in (tmp_path / "noise.md").read_text()
+    printed = capsys.readouterr().out
+    header = "| model | answer, normalised | noise, normalised | answer, raw | noise, raw | share |"
+    assert header in printed and printed.count("\n| diff | ") == 1 and "\n| baseline | " in printed, printed
+    assert (tmp_path / "noise.md").read_text().strip() in printed, "the written table is the printed one"
     assert (tmp_path / "noise.png").stat().st_size > 1000
 
 
@@ -210,7 +279,8 @@ def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatc
     monkeypatch.setattr(benchmark, "evaluate", evaluate_until(stop=0))
     resumed = benchmark.run_unit(unit)
     assert resumed["seconds"] > 1000.0, f"run time {resumed['seconds']:.1f}s leaves out the 1000s before the stop"
-    assert len(calls) == 2, f"the resumed run evaluated {len(calls)} times; from its first evaluation: 2"
+    # from its first evaluation: 2 along training, then 1 of the stored model (`measure`)
+    assert len(calls) == 3, f"the resumed run evaluated {len(calls)} times; from its first evaluation: 2 + 1"
     assert resumed["curve"] == whole["curve"], f"{resumed['curve']} != {whole['curve']}"
     assert (resumed["answer"], resumed["noise"]) == (whole["answer"], whole["noise"])
 
@@ -359,3 +429,39 @@ def test_paper_small_text_only_without_corpus_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="needs a UTF-8 corpus.*pass --data FILE"):
         benchmark.main(["--tasks", "text", "--data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path)])
     assert not list(tmp_path.iterdir()), "nothing may be written"
+
+
+def test_paper_small_runs_are_keyed_by_the_corpus_content(tmp_path):
+    """The same corpus at another path is the same stored run; another corpus at the same name is another; the
+    retrieval runs do not read it."""
+    benchmark = load_paper_small()
+    (tmp_path / "elsewhere").mkdir()
+    same, moved, other = tmp_path / "corpus.txt", tmp_path / "elsewhere" / "copy.txt", tmp_path / "other.txt"
+    same.write_text("To be, or not to be.\n")
+    moved.write_text("To be, or not to be.\n")
+    other.write_text("To be, or not to be?\n")
+
+    def path(task: str, data: Path) -> Path:
+        args = benchmark.parse_args(["--data", str(data), "--output-dir", str(tmp_path)])
+        return benchmark.stored_path((task, "DIFF", 0, 800, args))
+
+    assert path("text", same) == path("text", moved)
+    assert path("text", same) != path("text", other)
+    assert path("retrieval", same) == path("retrieval", other) == path("retrieval", tmp_path / "missing.txt")
+
+
+COMMITTED_QUICK = Path(__file__).parents[1] / "benchmarks" / "paper_small" / "quick"
+
+
+def test_paper_small_committed_report_recomputes_from_committed_weights(tmp_path):
+    """A clone holds the weights behind its tables: the committed toy-size retrieval run (benchmarks/paper_small/
+    quick, bf16 safetensors with their sha256 in the stored runs) recomputed with --from-saved writes its committed
+    report byte for byte (accuracy, normalised / raw / share attention, pooled and per-branch outliers,
+    quantization)."""
+    benchmark = load_paper_small()
+    out = tmp_path / "quick"
+    shutil.copytree(COMMITTED_QUICK, out, ignore=shutil.ignore_patterns("*.png"))
+    benchmark.main(["--quick", "--tasks", "retrieval", "--seeds", "0", "--eval-samples", "1", "--output-dir", str(out),
+                    "--from-saved"])
+    got, committed = (out / "report.md").read_text(), (COMMITTED_QUICK / "report.md").read_text()
+    assert got == committed, "\n".join(f"{a}\n{b}" for a, b in zip(got.splitlines(), committed.splitlines()) if a != b)

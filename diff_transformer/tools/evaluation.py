@@ -3,10 +3,13 @@
 - Multi-needle retrieval (§3.4, Fig. 5): N needles "The magic number of <city> is <number>." in filler text, R of
   them queried, the queried needles placed at a given depth; greedy accuracy per (context length, depth).
 - Attention noise (Table 3): the attention the answering (last) position gives to the answer needle versus to the
-  rest of the context, per layer and averaged over heads and layers. For differential layers the map is
-  A1 - lambda A2 (what multiplies V), so values may be negative; for softmax layers each row sums to 1.
-- Activation outliers (Table 5): top-k magnitudes of attention logits (q k^T / sqrt(d), causal entries) and of
-  hidden states against their median.
+  rest of the context, three ways (`allocation`). Normalised, the paper's ("we compare the normalized attention
+  scores", §3.4): each head's row divided by its sum (1 - lambda for the differential map A1 - lambda A2, 1 for a
+  softmax), averaged over heads and layers; heads whose row sums to less than `MIN_ROW_SUM` in magnitude (lambda near
+  1) are excluded and listed. Raw: the map as it multiplies V, averaged the same way (a differential row may be
+  negative). Share: raw answer / (raw answer + raw noise), which a common scale of the rows leaves unchanged.
+- Activation outliers (Table 5): top-k magnitudes of attention logits (q k^T / sqrt(d), causal entries; both
+  branches pooled, and each branch apart for differential models) and of hidden states against their median.
 """
 
 import random
@@ -300,41 +303,97 @@ def attention_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], 
 
 
 def last_row_maps(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple]]:
-    """Head-averaged attention of the last position per layer [S], and (A1, lambda A2) rows of differential layers."""
+    """The last position's row of every head per layer [heads, S], and head-averaged (A1, lambda A2) rows [S] of
+    differential layers."""
     maps, branches = attention_maps(model, input_ids)
-    rows = [m[0, :, -1].mean(0).cpu() for m in maps]
+    rows = [m[0, :, -1].cpu() for m in maps]
     branch_rows = [(a1[0, :, -1].mean(0).cpu(), (lam * a2[0, :, -1]).mean(0).cpu()) for a1, a2, lam in branches]
     return rows, branch_rows
 
 
-def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt) -> dict:
-    """Answer share and noise (attention to the rest of the context) per layer and their means (eager models)."""
+MIN_ROW_SUM = 0.1  # a head whose row sums to less (|1 - lambda|, lambda near 1) is not normalised: 1 / 0.1 = 10x
+
+
+def allocation(head_rows: list[torch.Tensor], answer: torch.Tensor, noise: torch.Tensor,
+               min_row_sum: float = MIN_ROW_SUM) -> dict:
+    """Attention to the answer and to the noise from per-layer rows of every head [heads, S] and boolean masks [S].
+
+    Per layer: "answer" / "noise" (raw: the head mean of the weight on those keys), "row_sum" (head mean of the row
+    sums), "normalized_answer" / "normalized_noise" (head mean of each head's weight divided by its row sum, over the
+    heads kept; None when none is). Overall: "mean_answer" / "mean_noise" (raw, over heads and layers),
+    "mean_normalized_answer" / "mean_normalized_noise" (over every kept head of every layer; None when none is kept),
+    "share" = mean_answer / (mean_answer + mean_noise) (None when that sum is 0) and "excluded": (layer, head, row
+    sum) of the heads whose |row sum| < min_row_sum."""
+    answers = [row[:, answer].sum(-1) for row in head_rows]  # per layer [heads]
+    noises = [row[:, noise].sum(-1) for row in head_rows]
+    sums = [row.sum(-1) for row in head_rows]
+    kept = [s.abs() >= min_row_sum for s in sums]
+    excluded = [(layer, head, sums[layer][head].item())
+                for layer, k in enumerate(kept) for head in (~k).nonzero()[:, 0].tolist()]
+
+    def normalized(values: list[torch.Tensor]) -> tuple[list[float | None], float | None]:
+        per_layer = [(v / s)[k].mean().item() if k.any() else None for v, s, k in zip(values, sums, kept)]
+        pooled = torch.cat([(v / s)[k] for v, s, k in zip(values, sums, kept)])
+        return per_layer, pooled.mean().item() if pooled.numel() else None
+
+    (norm_answer, mean_norm_answer), (norm_noise, mean_norm_noise) = normalized(answers), normalized(noises)
+    mean_answer = torch.cat(answers).mean().item()
+    mean_noise = torch.cat(noises).mean().item()
+    total = mean_answer + mean_noise
+    return {
+        "answer": [a.mean().item() for a in answers], "noise": [n.mean().item() for n in noises],
+        "row_sum": [s.mean().item() for s in sums], "normalized_answer": norm_answer,
+        "normalized_noise": norm_noise, "mean_answer": mean_answer, "mean_noise": mean_noise,
+        "mean_normalized_answer": mean_norm_answer, "mean_normalized_noise": mean_norm_noise,
+        "share": mean_answer / total if total != 0 else None, "excluded": excluded, "min_row_sum": min_row_sum,
+    }
+
+
+def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt,
+                    min_row_sum: float = MIN_ROW_SUM) -> dict:
+    """`allocation` of the answering position's attention to the answer needle and to the rest of the context
+    (the question excluded), plus "rows" (head-averaged row per layer [S]), "branch_rows" and "positions"
+    (eager models)."""
     check(model.config._attn_implementation == "eager",
             f"attention_noise reads attention maps, which only eager attention returns, but the model runs "
             f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
             "model.set_attn_implementation(\"eager\") first")
     positions = span_positions(tokenizer, prompt.question(0), prompt)
-    rows, branch_rows = last_row_maps(model, positions["input_ids"])
-    answer = [row[positions["answer"]].sum().item() for row in rows]
-    noise = [row[positions["noise"]].sum().item() for row in rows]
-    return {
-        "answer": answer, "noise": noise, "mean_answer": sum(answer) / len(answer),
-        "mean_noise": sum(noise) / len(noise), "rows": rows, "branch_rows": branch_rows, "positions": positions,
-    }
+    head_rows, branch_rows = last_row_maps(model, positions["input_ids"])
+    report = allocation(head_rows, positions["answer"], positions["noise"], min_row_sum)
+    return {**report, "rows": [row.mean(0) for row in head_rows], "branch_rows": branch_rows, "positions": positions}
+
+
+def figure(value: float | None) -> str:
+    return "excluded" if value is None else f"{value:.3f}"
+
+
+def excluded_heads(report: dict) -> str:
+    return ", ".join(f"layer {layer} head {head} ({total:.3f})" for layer, head, total in report["excluded"]) or "none"
 
 
 def noise_table(reports: dict[str, dict]) -> str:
-    """Markdown: per layer answer/noise for each model, then the mean."""
+    """Markdown: per model the normalised (the paper's), raw and share figures with the excluded heads; then per layer
+    each model's row sum and normalised and raw answer / noise."""
+    limit = next(iter(reports.values()))["min_row_sum"]
+    lines = ["Attention of the answering position (paper Table 3). normalised: each head's row divided by its sum "
+             "(1 - lambda; 1 for softmax), averaged over heads and layers, the paper's comparison; raw: the map that "
+             "multiplies V; share: raw answer / (raw answer + raw noise).", "",
+             f"| model | answer, normalised | noise, normalised | answer, raw | noise, raw | share | heads excluded "
+             f"(\\|row sum\\| < {limit:g}) |", "|---|---|---|---|---|---|---|"]
+    for name, r in reports.items():
+        lines.append(f"| {name} | {figure(r['mean_normalized_answer'])} | {figure(r['mean_normalized_noise'])} | "
+                     f"{r['mean_answer']:.3f} | {r['mean_noise']:.3f} | {figure(r['share'])} | {excluded_heads(r)} |")
     names = list(reports)
     layers = max(len(r["answer"]) for r in reports.values())
-    header = "| layer | " + " | ".join(f"{n} answer | {n} noise" for n in names) + " |"
-    lines = [header, "|" + "---|" * (1 + 2 * len(names))]
+    columns = ("row sum", "answer, normalised", "noise, normalised", "answer, raw", "noise, raw")
+    lines += ["", "| layer | " + " | ".join(f"{n} {c}" for n in names for c in columns) + " |",
+              "|---|" + "---|" * (len(columns) * len(names))]
     for i in range(layers):
-        cells = [f"{r['answer'][i]:.3f} | {r['noise'][i]:.3f}" if i < len(r["answer"]) else "- | -"
-                 for r in reports.values()]
+        cells = [" | ".join([f"{r['row_sum'][i]:.3f}", figure(r["normalized_answer"][i]),
+                             figure(r["normalized_noise"][i]), f"{r['answer'][i]:.3f}", f"{r['noise'][i]:.3f}"])
+                 if i < len(r["answer"]) else " | ".join("-" * len(columns)) for r in reports.values()]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    means = [f"**{r['mean_answer']:.3f}** | **{r['mean_noise']:.3f}**" for r in reports.values()]
-    lines.append("| mean | " + " | ".join(means) + " |")
     return "\n".join(lines)
 
 
@@ -422,13 +481,27 @@ def causal_entries(scores: torch.Tensor) -> torch.Tensor:
     return scores[..., torch.ones(scores.shape[-2:], dtype=torch.bool).tril()]
 
 
+def branches(module: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(branch 1, branch 2) of one layer's attention logits [B, heads, ...] when the layer is differential with the
+    branches as head halves (ours: q rows [branch 1 | branch 2]; transformers' DiffLlama: heads [:h] and [h:]);
+    None otherwise (softmax layers, DIFF V2's interleaved head pairs)."""
+    if isinstance(module, DiffAttention) or type(module).__name__.startswith("DiffLlama"):
+        return logits.chunk(2, dim=1)
+    return None
+
+
 def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
-    """Table 5: attention logits (causal entries, per layer) and hidden states (every layer output)."""
+    """Table 5: attention logits (causal entries, per layer; both branches pooled, as the paper's Table 5 has one
+    figure per model) and hidden states (every layer output); for differential layers also each branch alone
+    ("attention_logits, branch 1" / "branch 2")."""
     check(top_k >= 1, f"top_k must be at least 1, got {top_k}")
     check(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
     logits, hidden = activation_tensors(model, input_ids)
-    return {"attention_logits": magnitude_stats([causal_entries(s) for s in logits], top_k),
-            "hidden_states": magnitude_stats(hidden, top_k)}
+    report = {"attention_logits": magnitude_stats([causal_entries(s) for s in logits], top_k)}
+    split = [pair for layer, s in zip(model.model.layers, logits) if (pair := branches(layer.self_attn, s))]
+    for b in (0, 1) if split else ():
+        report[f"attention_logits, branch {b + 1}"] = magnitude_stats([causal_entries(p[b]) for p in split], top_k)
+    return {**report, "hidden_states": magnitude_stats(hidden, top_k)}
 
 
 def outlier_table(reports: dict[str, dict]) -> str:
@@ -456,6 +529,6 @@ def run_outliers_cli(models: dict[str, tuple], length: int, top_k: int, seed: in
 
 
 __all__ = [
-    "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "attention_noise",
+    "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "allocation", "attention_noise",
     "activation_outliers", "activation_tensors", "noise_table", "outlier_table",
 ]

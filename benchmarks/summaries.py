@@ -1,0 +1,270 @@
+"""The numbers README.md and docs/evaluation.md quote, generated from the stored results (results.json of each
+benchmark folder), so that a quoted number cannot drift from the run it comes from.
+
+    python benchmarks/summaries.py           # rewrite every generated block from the stored results
+    python benchmarks/summaries.py --check   # exit 1 naming each block that differs from them (what the test runs)
+
+A generated block sits between the lines `<!-- generated: NAME -->` and `<!-- end: NAME -->` of a document in
+DOCUMENTS; SECTIONS maps NAME to the function that renders it from the repository root. To add one (say a results
+file of another benchmark): write `def my_section(root: Path) -> str`, add `"my-section": my_section` to SECTIONS,
+and put the two marker lines where it goes. The paper's figure stands beside a row only where the paper measured
+the same thing; `PAPER` holds them.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/evaluation.md")
+PAPER_SMALL = Path("benchmarks/paper_small")
+MODELS = ("DIFF", "DiffLlama", "Transformer")
+SHOWN = {"DIFF": "DIFF", "DiffLlama": "DiffLlama", "Transformer": "Llama (Transformer)"}
+NOT_STORED = "not stored"
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)", re.S)
+
+# The paper's figures (arXiv 2410.05258, 3B-size models) for the rows that measure the same thing.
+PAPER = {
+    "answer, normalised": "DIFF 0.27-0.40, Transformer 0.03-0.09 (Table 3)",
+    "noise, normalised": "DIFF 0.01-0.02, Transformer 0.49-0.54 (Table 3)",
+    "top-1 attention logit": "DIFF 38.8, Transformer 318.0 (Table 5)",
+    "top-1 hidden state": "DIFF 1688.2, Transformer 3608.6 (Table 5)",
+    "logits at 4 bits": "zero-shot accuracy: DIFF kept, the Transformer's dropped (Figure 8)",
+}
+
+
+def load_rows(root: Path, task_folder: str) -> list[dict]:
+    return json.loads((root / PAPER_SMALL / task_folder / "results.json").read_text())["rows"]
+
+
+# --- figures of one run: a float, or a str saying why there is none ---
+
+
+def share(row: dict) -> float | str:
+    total = row["answer"] + row["noise"]
+    return row["answer"] / total if total else "undefined"
+
+
+def stored(field: str) -> Callable[[dict], float | str]:
+    def get(row: dict) -> float | str:
+        if field not in row:
+            return NOT_STORED
+        return "every head excluded" if row[field] is None else row[field]
+    return get
+
+
+def outlier(kind: str, stat: str) -> Callable[[dict], float | str]:
+    def get(row: dict) -> float | str:
+        return row["outliers"][kind][stat] if kind in row["outliers"] else NOT_STORED
+    return get
+
+
+def pooled_top1(row: dict) -> float:
+    """The top-1 attention logit over both branches: the stored pooled figure, or (exact) the larger branch top-1."""
+    found = row["outliers"]
+    if "attention logits" in found:
+        return found["attention logits"]["top1"]
+    return max(found[f"attention logits, branch {b}"]["top1"] for b in (1, 2))
+
+
+def branch_one_ratio(row: dict) -> float | str:
+    return outlier("attention logits, branch 1", "top1 / median")(row) if row["model"] != "Transformer" else "-"
+
+
+def change_at(kind: str, bits: int) -> Callable[[dict], float]:
+    def get(row: dict) -> float:
+        return row["quantization"][kind][str(bits)] - row["quantization"]["none"]
+    return get
+
+
+def best_step(row: dict) -> int:
+    return min(row["curve"], key=lambda point: point["val_loss"])["step"]
+
+
+# --- formatting ---
+
+
+def number(value: float | str, digits: int = 3, sign: bool = False) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):  # a step
+        return f"{value:,}"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def cell(runs: list[dict], get: Callable, digits: int = 3, sign: bool = False) -> str:
+    """mean ± sd over the runs (in seed order), then each run's figure; one run: its figure."""
+    values = [get(r) for r in sorted(runs, key=lambda r: r["seed"])]
+    if reasons := [v for v in values if isinstance(v, str)]:
+        return reasons[0]
+    each = ", ".join(number(v, digits, sign) for v in values)
+    if len(values) == 1:
+        return each
+    return f"{number(statistics.mean(values), digits, sign)} ± {statistics.stdev(values):.{digits}f} ({each})"
+
+
+def seeds(runs: list[dict]) -> str:
+    found = sorted({r["seed"] for r in runs})
+    return ("seed " if len(found) == 1 else "seeds ") + ", ".join(map(str, found))
+
+
+def table(groups: list[tuple[str, list[dict]]], rows: list[tuple], paper: bool = True) -> list[str]:
+    """Markdown: one line per (experiment, figure), one column per model, the paper's figure last where it measured
+    the same thing. groups: (experiment title, its runs); rows: (experiment index, figure title, getter[, digits,
+    sign, paper key])."""
+    names = " | ".join(SHOWN[m] for m in MODELS)
+    head = f"| experiment | figure | {names} |" + (" paper, same measurement |" if paper else "")
+    out = [head, "|---|---|" + "---|" * (len(MODELS) + paper)]
+    for index, title, get, *rest in rows:
+        digits, sign, key = (rest + [3, False, None][len(rest):])[:3]
+        name, runs = groups[index]
+        cells = [cell([r for r in runs if r["model"] == m], get, digits, sign) for m in MODELS]
+        out.append(f"| {name} | {title} | " + " | ".join(cells) + (f" | {PAPER.get(key, '')} |" if paper else " |"))
+    return out
+
+
+# --- the sections ---
+
+
+# Training tokens of tiny Shakespeare as the text runs split it (90% of its 128-token blocks under their 1,024-token
+# BPE): a property of the corpus (sha256 in results.json), not of a run.
+SHAKESPEARE_TRAIN_TOKENS = 417_408
+
+
+def experiments(root: Path) -> list[tuple[str, list[dict]]]:
+    """(title, runs) of every stored paper_small report: text at its two lengths, retrieval."""
+    text, retrieval = load_rows(root, "text"), load_rows(root, "retrieval")
+    settings = json.loads((root / PAPER_SMALL / "text" / "results.json").read_text())["settings"]
+    groups = []
+    for task, rows in (("text", text), ("text-long", text), ("retrieval", retrieval)):
+        runs = [r for r in rows if r["task"] == task]
+        if task == "retrieval":
+            groups.append((f"retrieval, {runs[0]['steps']:,} steps, {seeds(runs)}", runs))
+            continue
+        passes = runs[0]["steps"] * settings["text_batch"] * settings["text_block"] / SHAKESPEARE_TRAIN_TOKENS
+        groups.append((f"tiny Shakespeare, {runs[0]['steps']:,} steps ({passes:.1f} passes), {seeds(runs)}", runs))
+    return groups
+
+
+def paper_small_readme(root: Path) -> str:
+    groups = experiments(root)
+    text, long, retrieval = 0, 1, 2
+    rows = [
+        (text, "validation loss", lambda r: r["val_loss"]),
+        (long, "validation loss at the end", lambda r: r["val_loss"]),
+        (long, "best validation loss along training", lambda r: r["best_val_loss"]),
+        (long, "step of the best", best_step, 0),
+        (retrieval, "retrieval accuracy", lambda r: r["accuracy"]),
+        (retrieval, "answer, normalised", stored("normalized_answer"), 3, False, "answer, normalised"),
+        (retrieval, "noise, normalised", stored("normalized_noise"), 3, False, "noise, normalised"),
+        (retrieval, "answer, raw", lambda r: r["answer"]),
+        (retrieval, "noise, raw", lambda r: r["noise"]),
+        (retrieval, "share answer / (answer + noise)", share),
+    ]
+    for index in (text, long, retrieval):
+        metric = "accuracy" if index == retrieval else "loss"
+        rows += [
+            (index, "top-1 attention logit, both branches", pooled_top1, 1, False, "top-1 attention logit"),
+            (index, "top-1 / median attention logit, both branches", outlier("attention logits", "top1 / median"), 1),
+            (index, "top-1 / median attention logit, branch 1 alone", branch_one_ratio, 1),
+            (index, "top-1 hidden state", outlier("hidden states", "top1"), 1, False, "top-1 hidden state"),
+            (index, "top-1 / median hidden state", outlier("hidden states", "top1 / median"), 1),
+            (index, f"{metric} change, attention logits at 4 bits", change_at("attention logits", 4), 3, True,
+             "logits at 4 bits"),
+            (index, f"{metric} change, activations at 4 bits (not in the paper)", change_at("activations", 4), 3,
+             True),
+        ]
+    return "\n".join([
+        "Mean ± sd over seeds, then each seed's figure in seed order. Attention at the answering position: "
+        "normalised divides each head's row by its sum (1 - lambda; 1 for softmax) as the paper's Table 3 does; "
+        "raw is the map that multiplies V; share is raw answer / (raw answer + raw noise). \"not stored\": the run "
+        "predates the figure and its weights were not kept (see docs/evaluation.md).", "",
+        *table(groups, rows)])
+
+
+def per_run(root: Path, title: str, runs: list[dict], columns: list[tuple[str, Callable]]) -> list[str]:
+    out = [f"{title}:", "", "| model | seed | " + " | ".join(c for c, _ in columns) + " |",
+           "|---|---|" + "---|" * len(columns)]
+    for row in sorted(runs, key=lambda r: (MODELS.index(r["model"]), r["seed"])):
+        out.append(f"| {row['model']} | {row['seed']} | " + " | ".join(number(get(row)) for _, get in columns) + " |")
+    return out
+
+
+def paper_small_text(root: Path) -> str:
+    groups = experiments(root)
+    (short_title, short), (long_title, long) = groups[0], groups[1]
+    mean = {m: statistics.mean(r["val_loss"] for r in short if r["model"] == m) for m in MODELS}
+    by = {r["model"]: r for r in long}
+    llama = by["Transformer"]
+    lines = [
+        f"At {short[0]['steps']:,} steps ({seeds(short)}) the validation loss is DIFF {mean['DIFF']:.3f}, DiffLlama "
+        f"{mean['DiffLlama']:.3f} and Llama {mean['Transformer']:.3f}. In the run of {long[0]['steps']:,} steps "
+        f"({seeds(long)}), Llama reaches its best ({llama['best_val_loss']:.3f}) at step {best_step(llama):,} and ends "
+        f"at {llama['val_loss']:.3f}; DIFF's best is {by['DIFF']['best_val_loss']:.3f} (step "
+        f"{best_step(by['DIFF']):,}), its end {by['DIFF']['val_loss']:.3f}; DiffLlama's "
+        f"{by['DiffLlama']['best_val_loss']:.3f} and {by['DiffLlama']['val_loss']:.3f}.", "",
+    ]
+    columns = [("val_loss", lambda r: r["val_loss"]), ("best_val_loss", lambda r: r["best_val_loss"]),
+               ("step of the best", best_step)]
+    return "\n".join(lines + per_run(root, short_title, short, columns) + [""]
+                     + per_run(root, long_title, long, columns))
+
+
+def paper_small_retrieval(root: Path) -> str:
+    title, runs = experiments(root)[2]
+    columns = [("val_loss", lambda r: r["val_loss"]), ("accuracy", lambda r: r["accuracy"]),
+               ("answer, normalised", stored("normalized_answer")), ("noise, normalised", stored("normalized_noise")),
+               ("answer, raw", lambda r: r["answer"]), ("noise, raw", lambda r: r["noise"]), ("share", share)]
+    return "\n".join(per_run(root, title, runs, columns))
+
+
+SECTIONS: dict[str, Callable[[Path], str]] = {
+    "paper-small-readme": paper_small_readme,
+    "paper-small-text": paper_small_text,
+    "paper-small-retrieval": paper_small_retrieval,
+}
+
+
+def render(root: Path, text: str) -> str:
+    """`text` with every generated block rewritten; an unknown block name is an error."""
+    def block(match: re.Match) -> str:
+        name = match["name"]
+        if name not in SECTIONS:
+            raise SystemExit(f"error: no section {name!r} in benchmarks/summaries.py SECTIONS ({', '.join(SECTIONS)})")
+        return f"{match[1]}{SECTIONS[name](root)}\n{match[4]}"
+    return BLOCK.sub(block, text)
+
+
+def stale(root: Path) -> list[str]:
+    """'document: block' for each generated block that differs from what the stored results give."""
+    out = []
+    for document in DOCUMENTS:
+        text = (root / document).read_text()
+        fresh = render(root, text)
+        current = {m["name"]: m["body"] for m in BLOCK.finditer(text)}
+        out += [f"{document}: {m['name']}" for m in BLOCK.finditer(fresh) if current[m["name"]] != m["body"]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    args = parser.parse_args(argv)
+    if args.check:
+        if found := stale(args.root):
+            print("out of date (run python benchmarks/summaries.py): " + "; ".join(found), file=sys.stderr)
+            return 1
+        return 0
+    for document in DOCUMENTS:
+        path = args.root / document
+        path.write_text(render(args.root, path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The numbers README.md and docs/evaluation.md quote come from the stored results (benchmarks/summaries.py): a
+quoted number that disagrees with them, or a stored run left out, fails here."""
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_NAME = re.compile(r"(?P<task>text-long|text|retrieval)-(?P<model>DIFF|DiffLlama|Transformer)-seed(?P<seed>\d+)-")
+
+
+def load_summaries():
+    spec = importlib.util.spec_from_file_location("summaries", ROOT / "benchmarks" / "summaries.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def summaries():
+    return load_summaries()
+
+
+def copy_tree(tmp_path: Path) -> Path:
+    """The documents and the stored results, in a scratch root the test may change."""
+    for document in ("README.md", "docs/evaluation.md"):
+        (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / document, tmp_path / document)
+    for results in (ROOT / "benchmarks" / "paper_small").glob("*/results.json"):
+        target = tmp_path / results.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(results, target)
+    return tmp_path
+
+
+def test_quoted_numbers_are_the_stored_results(summaries):
+    assert summaries.stale(ROOT) == [], "run: python benchmarks/summaries.py"
+    texts = {d: (ROOT / d).read_text() for d in summaries.DOCUMENTS}
+    used = {m["name"] for text in texts.values() for m in summaries.BLOCK.finditer(text)}
+    assert used == set(summaries.SECTIONS), f"sections without a block, or blocks without a section: {used}"
+    assert "<!-- generated: paper-small-readme -->" in texts["README.md"]
+
+
+def test_a_number_that_disagrees_is_caught(summaries, tmp_path):
+    """A number changed in a document, or a stored result changed under it, makes --check fail and names the block;
+    rendering puts the stored number back."""
+    root = copy_tree(tmp_path)
+    assert summaries.main(["--check", "--root", str(root)]) == 0
+    readme = root / "README.md"
+    original = readme.read_text()
+    assert original.count("| 3.556 | 3.576 | 3.822 |") == 1, "the 3,200-step run's final losses are quoted"
+    readme.write_text(original.replace("| 3.556 | 3.576 | 3.822 |", "| 3.556 | 3.576 | 3.823 |"))
+    assert summaries.stale(root) == ["README.md: paper-small-readme"]
+    assert summaries.main(["--check", "--root", str(root)]) == 1
+    summaries.main(["--root", str(root)])
+    assert readme.read_text() == original
+
+    results = root / "benchmarks" / "paper_small" / "retrieval" / "results.json"
+    stored = json.loads(results.read_text())
+    stored["rows"][0]["accuracy"] += 0.01
+    results.write_text(json.dumps(stored))
+    assert summaries.stale(root) == ["README.md: paper-small-readme", "docs/evaluation.md: paper-small-readme",
+                                     "docs/evaluation.md: paper-small-retrieval"]
+
+
+def test_every_stored_run_is_reported_and_summarised_with_its_seed(summaries):
+    """Each stored run (runs/*.pt) is a row of its report's results.json, and each row is a line of the per-run
+    tables in docs/evaluation.md and a seed of the README's table."""
+    docs = (ROOT / "docs" / "evaluation.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for task_folder in ("text", "retrieval"):
+        folder = ROOT / "benchmarks" / "paper_small" / task_folder
+        rows = json.loads((folder / "results.json").read_text())["rows"]
+        reported = sorted((r["task"], r["model"], r["seed"]) for r in rows)
+        stored = sorted((m["task"], m["model"], int(m["seed"]))
+                        for m in map(RUN_NAME.match, (p.name for p in (folder / "runs").glob("*.pt"))))
+        assert stored == reported, f"{task_folder}: stored runs {stored} vs reported {reported}"
+        for row in rows:
+            line = f"| {row['model']} | {row['seed']} | {row['val_loss']:.3f} |"
+            assert line in docs, f"docs/evaluation.md leaves out {row['task']} {row['model']} seed {row['seed']}"
+            title = next(t for t, runs in summaries.experiments(ROOT) if row in runs)
+            assert f"| {title} |" in readme and summaries.seeds([row]).split()[-1] in title, (
+                f"README.md has no {row['task']} row for {title}")
+            headline = row["accuracy"] if row["task"] == "retrieval" else row["val_loss"]
+            assert f"{headline:.3f}" in readme, f"README.md leaves out {row['task']} {row['model']} seed {row['seed']}"
