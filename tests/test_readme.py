@@ -44,6 +44,7 @@ BLOCKS = {
     "bash .ci/run": SKIP + "the test suite itself",
     "MultiheadDiffAttn(embed_dim=256": "fast",
     "back = unilm_to_diff(state": "fast",
+    "curl -o tinyshakespeare.txt": SKIP + "downloads the corpus from the internet (the page gives its sha256)",
     "python benchmarks/paper_small.py --tasks text": SKIP + "the experiment itself (RESULTS.md has its run time); "
     "tests/test_evaluation.py runs its --quick mode",
     "config = DiffConfig(vocab_size=1000": "fast",
