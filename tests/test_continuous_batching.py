@@ -15,7 +15,7 @@ from diff_transformer.paged_cache import UPDATE_TAKES_KWARGS, paged_cache_heads
 
 needs_batching = pytest.mark.skipif(not UPDATE_TAKES_KWARGS, reason="this transformers' paged cache is refused")
 PAGE = 16  # tokens per cache page; the second prompt spans two pages
-PROMPTS = [[5, 17, 33, 8, 61], [int(t) for t in torch.randint(4, 97, (PAGE + 7,), generator=torch.Generator().manual_seed(3))],
+PROMPTS = [[5, 17, 33, 8, 61], torch.randint(4, 97, (PAGE + 7,), generator=torch.Generator().manual_seed(3)).tolist(),
            [40, 2, 77, 12, 9, 30, 51, 6, 25]]
 NEW_TOKENS = 5
 LOGPROB_ATOL = 1e-4  # fp32, the same logits through differently batched forwards; measured differences are ~1e-6
@@ -61,7 +61,8 @@ def greedy(model: DiffForCausalLM, prompt: list[int]) -> tuple[list[int], torch.
 def generate_batch(model: DiffForCausalLM, prompts: list[list[int]]):
     generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64, return_logprobs=True)
-    return list(model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching).values())
+    results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+    return list(results.values())
 
 
 @needs_batching
@@ -81,7 +82,8 @@ def test_generate_batch_matches_generate(case, backend):
         assert result.generated_tokens == tokens, (f"{case} {backend} prompt of {len(prompt)}: "
                                                    f"{result.generated_tokens} != generate's {tokens}")
         diff = (torch.tensor(result.logprobs) - logprobs).abs()
-        assert diff.max() < LOGPROB_ATOL, f"{case} {backend}: log-probs max diff {diff.max():.2e}, mean {diff.mean():.2e}"
+        assert diff.max() < LOGPROB_ATOL, (f"{case} {backend}: log-probs max diff {diff.max():.2e}, "
+                                           f"mean {diff.mean():.2e}")
     assert model.config._attn_implementation == backend, "batching left the model on another backend"
 
 
