@@ -443,7 +443,7 @@ class DiffStandardAttention(LlamaAttention):
         """Llama's forward; on continuous batching's paged cache, whose rows may be wider than this layer's keys and
         values (`paged_cache.py`), through `PagedLayerCache`."""
         if is_paged(cache := kwargs.get(CACHE_KWARG)):
-            kwargs[CACHE_KWARG] = PagedLayerCache(cache, self.config)
+            kwargs[CACHE_KWARG] = PagedLayerCache(cache, self.config, kwargs)
         return super().forward(*args, **kwargs)
 
 

@@ -21,14 +21,19 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedConfig
+from transformers import ContinuousBatchingConfig, PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 PAGED_EAGER = "paged|eager"  # transformers' eager backend on the paged cache; the DIFF layers run their eager kernels
 BATCHING_BACKENDS = ("sdpa", "eager", PAGED_EAGER)  # the backends whose DIFF kernels read a packed batch's mask
 # Whether this transformers release hands the cache its forward kwargs (read and write indices) in `update`, the
 # protocol these layers follow; older releases update the cache inside their paged attention functions instead.
 UPDATE_TAKES_KWARGS = "kwargs" in inspect.signature(PagedAttentionCache.update).parameters
+# Whether Llama's attention (the standard layers of hybrid stacks) takes the cache as `cache` and updates it with
+# its kwargs; where it does not, transformers' paged|eager function updates the cache itself, from a kwarg these
+# layers do not receive.
+LLAMA_TAKES_CACHE = "cache" in inspect.signature(LlamaAttention.forward).parameters
 
 
 def is_paged(cache: object) -> bool:
@@ -80,13 +85,14 @@ def paged_update(cache: PagedAttentionCache, k: torch.Tensor, v: torch.Tensor, l
 
 class PagedLayerCache:
     """The paged cache as transformers' Llama attention (a hybrid stack's standard layers) calls it, with
-    `paged_update` mapping that layer's keys and values to the cache's rows."""
+    `paged_update` mapping that layer's keys and values to the cache's rows. `kwargs` are the layer's forward
+    kwargs, for releases whose Llama attention does not pass its own to `update`."""
 
-    def __init__(self, cache: PagedAttentionCache, config: PreTrainedConfig):
-        self.cache, self.config = cache, config
+    def __init__(self, cache: PagedAttentionCache, config: PreTrainedConfig, kwargs: dict):
+        self.cache, self.config, self.kwargs = cache, config, kwargs
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        return paged_update(self.cache, k, v, layer_idx, self.config, kwargs)
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, kwargs: dict | None = None):
+        return paged_update(self.cache, k, v, layer_idx, self.config, self.kwargs if kwargs is None else kwargs)
 
 
 def check_continuous_batching(config: PreTrainedConfig, batching_config=None):
@@ -94,8 +100,6 @@ def check_continuous_batching(config: PreTrainedConfig, batching_config=None):
     manager would otherwise fail every request inside its thread and return empty outputs). Returns the batching
     config to use: the caller's (or a default one) with `auto_switch_to_flash` off, since the flash kernels read the
     paged cache in its own shape."""
-    from transformers import ContinuousBatchingConfig
-
     if not UPDATE_TAKES_KWARGS:
         raise NotImplementedError(
             "continuous batching of DIFF models needs a transformers release whose paged cache takes the forward's "
@@ -107,6 +111,11 @@ def check_continuous_batching(config: PreTrainedConfig, batching_config=None):
             f"continuous batching runs DIFF layers with attn_implementation 'sdpa' or '{PAGED_EAGER}', not "
             f"'{backend}'; load the model with attn_implementation=\"sdpa\" or call "
             "model.set_attn_implementation(\"sdpa\") first (plain `generate` runs every backend)"
+        )
+    if backend == PAGED_EAGER and "standard" in config.attention_types and not LLAMA_TAKES_CACHE:
+        raise ValueError(
+            f"the standard layers of this hybrid stack cannot run '{PAGED_EAGER}' under this transformers release's "
+            "continuous batching; load the model with attn_implementation=\"sdpa\", or upgrade transformers"
         )
     batching_config = copy.copy(batching_config) if batching_config is not None else ContinuousBatchingConfig()
     batching_config.auto_switch_to_flash = False
