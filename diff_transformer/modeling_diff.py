@@ -72,6 +72,14 @@ from .configuration_diff import DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import match_weight_file_modes, saved_folder_defaults
 from .kernel_tiled import autocast_off, mask_scores_, tiled_diff_attention, tiled_is_faster
+from .paged_cache import (
+    PAGED_EAGER,
+    PagedLayerCache,
+    check_continuous_batching,
+    is_paged,
+    paged_update,
+    with_paged_cache_view,
+)
 from .peft_defaults import register_peft_defaults
 
 try:
@@ -289,6 +297,8 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
     torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
     or a GPU that `diff_flash` has no tile for make the standard calls too, with a warning."""
+    if implementation == PAGED_EAGER:  # transformers' eager on continuous batching's paged cache
+        implementation = "eager"
     if implementation == DIFF_FLASH:
         reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
         if reason:
@@ -320,7 +330,9 @@ class DifferentialAttentionBase(nn.Module):
         batch, length, _ = hidden_states.shape
         cache = kwargs.pop(CACHE_KWARG, None)
         q, k, v = self.project(hidden_states, position_embeddings)
-        if cache is not None:
+        if is_paged(cache):  # continuous batching: the cache takes this forward's kwargs
+            k, v = paged_update(cache, k, v, self.layer_idx, self.config, kwargs)
+        elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out, attn_map = self.attend(hidden_states, q, k, v, attention_mask, **kwargs)
         return self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1)), attn_map
@@ -424,7 +436,7 @@ class DiffV2Attention(DifferentialAttentionBase):
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attn_2j - gate_j attn_2j+1 per head, [B, T, h, d] fp32, in one attention call over the 2h heads."""
         gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]
-        if self.config._attn_implementation == "eager":
+        if self.config._attn_implementation in ("eager", PAGED_EAGER):
             return eager_v2_attention(self, q, k, v, gate, attention_mask, self.scaling)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
         attn, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
@@ -447,6 +459,13 @@ class DiffStandardAttention(LlamaAttention):
         super().__init__(heads, layer_idx)
         self.config = config
         self.o_proj = nn.Linear(self.o_proj.in_features, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Llama's forward; on continuous batching's paged cache, whose rows may be wider than this layer's keys and
+        values (`paged_cache.py`), through `PagedLayerCache`."""
+        if is_paged(cache := kwargs.get(CACHE_KWARG)):
+            kwargs[CACHE_KWARG] = PagedLayerCache(cache, self.config, kwargs)
+        return super().forward(*args, **kwargs)
 
 
 def build_attention(config: DiffConfig, layer_idx: int) -> nn.Module:
@@ -592,6 +611,15 @@ class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM):
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
         with frozen_lambdas(self):
             return super().generate(*args, **kwargs)
+
+    @torch.no_grad()
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        """transformers' continuous batching manager (behind `generate_batch` and `transformers serve
+        --continuous-batching`), with its paged cache laid out for DIFF layers (`paged_cache.py`); a backend the
+        layers cannot run under batching is refused here, before any request."""
+        continuous_batching_config = check_continuous_batching(self.config, continuous_batching_config)
+        manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        return with_paged_cache_view(self, manager)
 
 
 class DiffTaskHead:

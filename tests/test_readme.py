@@ -79,6 +79,9 @@ BLOCKS = {
     "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm serves a trained "
     "folder this way (bash .ci/run vllm)",
     "diff-transformer attention-noise out/my-model": "slow",
+    "results = model.generate_batch(": SKIP + "tests/test_continuous_batching.py makes these calls on tiny models",
+    "python -m diff_transformer.serving.transformers_serve FOLDER": SKIP + "tests/test_transformers_serve.py starts "
+    "this server on a saved folder",
 }
 # lines of a run block left out: an upload needs the network and a real token
 LEFT_OUT = ("HF_TOKEN=hf_... diff-transformer upload",)
