@@ -25,6 +25,31 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     guard_transformers_backend(ModelRegistry, DiffConfig.model_type)
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, EngineConfigCheck)
+
+
+class EngineConfigCheck:
+    """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP`), which vLLM runs in the calling process when it
+    builds the engine's config: what the model would refuse in the engine's worker (parallelism, config fields, head
+    sizes) and LoRA, refused here, before any engine process starts."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from vllm.platforms import current_platform
+
+        from .layout import MERGE_ADVICE, check_servable
+
+        if vllm_config.lora_config is not None:
+            raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
+        parallel = vllm_config.parallel_config
+        check_servable(vllm_config.model_config.hf_config, parallel.tensor_parallel_size,
+                       parallel.pipeline_parallel_size, current_platform.is_cpu())
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return None
 
 
 def guard_transformers_backend(registry, model_type: str) -> None:
