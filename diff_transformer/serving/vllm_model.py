@@ -11,7 +11,7 @@ Every attention layer is ONE call of vLLM's paged `Attention` (docs/serving.md, 
     standard          Llama attention with h dv / d heads of width d (padded to the V1 layers' page size).
 
 Zero columns added to q and k leave every score unchanged, and zero columns added to v are cut from the output,
-so padding is exact. As in vLLM's Llama, q, k and v (and V2's lambda_proj) are one GEMM (`qkv_proj`); the loader
+so padding is exact. As in vLLM's Llama, q, k and v are one GEMM (`qkv_proj`); the loader
 orders a V1 layer's k rows per kv head as (k1 | k2), so the keys come out of the GEMM packed, and it computes each
 layer's lambda and the SubLN gain times (1 - lambda_init) once, after loading. This module imports vLLM at the top:
 only vLLM's model registry imports it.
@@ -28,7 +28,7 @@ from vllm import _custom_ops as ops
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -38,8 +38,8 @@ from vllm.platforms import current_platform
 from ..modeling_diff import compute_lambda
 from .layout import check_servable, unexpected_weight
 
-# our projection name -> its shard in the fused qkv_proj (V2's lambda_proj is a fourth)
-QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "lambda_proj": 3}
+# our projection name -> its shard in the fused qkv_proj
+QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 STACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
 
 
@@ -76,7 +76,7 @@ class ParamVector(nn.Module):
 
 
 class DiffAttentionBase(nn.Module):
-    """One fused q/k/v(/lambda) projection, RoPE over d-wide sub-heads and one paged `Attention` call; the subclasses
+    """One fused q/k/v projection, RoPE over d-wide sub-heads and one paged `Attention` call; the subclasses
     say the head shapes (`sizes`: the rows of each fused shard over all ranks)."""
 
     def __init__(self, config, prefix: str, cache_config, quant_config, shapes: dict[str, int], width: int,
@@ -97,7 +97,7 @@ class DiffAttentionBase(nn.Module):
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn")
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        """[q, k, v(, gate)] column slices of one GEMM, RoPE applied to every d-wide q / k sub-head."""
+        """[q, k, v] column slices of one GEMM, RoPE applied to every d-wide q / k sub-head."""
         parts = list(self.qkv_proj(x)[0].split(self.split, dim=-1))
         parts[0], parts[1] = self.rotary_emb(positions, parts[0], parts[1])
         return parts
@@ -168,21 +168,24 @@ class DiffV1Attention(DiffAttentionBase):
 
 
 class DiffV2Attention(DiffAttentionBase):
-    """DIFF V2: one call over 2h heads of width d; out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1."""
+    """DIFF V2: one call over 2h heads of width d; out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1.
+    lambda_proj stays its own GEMM: appended to qkv_proj, its h columns would leave the rows of q and k at a stride
+    vLLM's CPU RoPE kernel cannot take in bf16 (it crashes)."""
 
     def __init__(self, config, prefix: str, cache_config, quant_config, width: int):
         h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         shapes = {"q_heads": 2 * h, "o_cols": h * d, "attn_heads": 2 * h, "kv_heads": h_kv}
-        super().__init__(config, prefix, cache_config, quant_config, shapes, width, [2 * h * d, h_kv * d, h_kv * d, h])
-        if self.qkv_proj.bias is not None:  # lambda_proj has no bias: its slice of the fused bias stays zero
-            self.qkv_proj.bias.data.zero_()
+        super().__init__(config, prefix, cache_config, quant_config, shapes, width, [2 * h * d, h_kv * d, h_kv * d])
+        self.lambda_proj = ColumnParallelLinear(config.hidden_size, h, bias=False, quant_config=quant_config,
+                                                prefix=f"{prefix}.lambda_proj")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens, d, w = hidden_states.shape[0], self.d, self.width
-        q, k, v, gate = self.project(positions, hidden_states)  # gate: lambda_proj(x) [T, h]
+        q, k, v = self.project(positions, hidden_states)
         out = self.attn(pad_heads(q, self.heads, d, w), pad_heads(k, self.kv_heads, d, w),
                         pad_heads(v, self.kv_heads, d, w))  # [T, 2h * W]
         out = out.view(tokens, self.heads // 2, 2, w)[..., :d].float()  # [T, h, pair, d]
+        gate, _ = self.lambda_proj(hidden_states)  # [T, h]
         heads = torch.addcmul(out[:, :, 0], torch.sigmoid(gate.float())[..., None], out[:, :, 1], value=-1)
         output, _ = self.o_proj(heads.to(hidden_states.dtype).view(tokens, -1))  # [T, hidden]
         return output
@@ -239,7 +242,7 @@ class DiffForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load our safetensors names: q/k/v (and lambda_proj) into the fused qkv_proj in the rows order each layer
+        """Load our safetensors names: q/k/v into the fused qkv_proj in the rows order each layer
         kind wants, gate/up into vLLM's fused gate_up_proj; then each attention layer's derived values."""
         params = dict(self.named_parameters())
         loaded = set()
