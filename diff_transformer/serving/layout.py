@@ -77,14 +77,18 @@ def rope_parameter_sets(fields: dict) -> list[tuple[str, dict]]:
 def unimplemented_fields(fields: dict) -> list[str]:
     """The config.json fields (`fields`: the file's dict) that vLLM would apply and transformers' DIFF model does
     not implement, so that vLLM would answer with other tokens than transformers, without an error: a sliding window
-    (vLLM masks keys past it; the DIFF model attends globally) and a RoPE `partial_rotary_factor` below 1 (vLLM
-    rotates that fraction of each head; the DIFF model rotates all of it)."""
+    (vLLM masks keys past it; the DIFF model attends globally), a RoPE `partial_rotary_factor` below 1 (vLLM
+    rotates that fraction of each head; the DIFF model rotates all of it) and `longrope` (see below)."""
     found = []
     if fields.get("sliding_window") not in (None, 0):  # vLLM reads 0 as no window
         found.append(f"sliding_window={fields['sliding_window']}")
     factors = [("", fields)] + rope_parameter_sets(fields)
     found += [f"{where}partial_rotary_factor={params['partial_rotary_factor']}" for where, params in factors
               if params.get("partial_rotary_factor") not in (None, 1, 1.0)]
+    # longrope: vLLM switches a whole batch to the long factors when any request in it is past the original context
+    # (a short prompt batched with a long one gets other tokens); transformers decides per sequence
+    found += [f"{where}rope_type=longrope" for where, params in rope_parameter_sets(fields)
+              if params.get("rope_type", params.get("type")) == "longrope"]
     return found
 
 

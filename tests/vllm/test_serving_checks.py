@@ -55,10 +55,15 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0}
     ({"rope_parameters": {**ROPE, "partial_rotary_factor": 0.25}}, "rope_parameters.partial_rotary_factor=0.25"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      "rope_scaling.partial_rotary_factor=0.5"),
+    # vLLM gave a 7-token prompt batched with a 110-token one other tokens (logprobs off by 1.9): it applies the
+    # long factors to the whole batch once one request passes original_max_position_embeddings
+    ({"rope_parameters": {**ROPE, "rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                          "original_max_position_embeddings": 64}}, "rope_parameters.rope_type=longrope"),
 ])
 def test_fields_vllm_would_apply_are_refused(folder, tmp_path, fields, named):
     """vLLM applies a sliding window and a partial rotary factor; transformers' DIFF model implements neither, so
-    vLLM's tokens would differ from the first token on a long prompt. `serve` refuses them naming the field."""
+    vLLM's tokens would differ from the first token on a long prompt; vLLM's longrope depends on the batch. `serve`
+    refuses them naming the field."""
     with pytest.raises(ValueError, match=f"config.json sets {named}.*remove the field"):
         server.check_folder(str(edited(folder, tmp_path, **fields)))
 
