@@ -26,10 +26,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse with errors on one line (usage lines omitted: --help shows them), exit status 2, and defaults
-    shown in --help."""
+    shown in --help. The value after an option of `verbatim_options` is taken as is, even when it starts with a dash
+    (`--vllm-args --enforce-eager`), which argparse alone reads as a missing value."""
+
+    verbatim_options: tuple[str, ...] = ()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is not None and self.verbatim_options:
+            args = list(args)
+            for i in reversed(range(len(args) - 1)):
+                if args[i] in self.verbatim_options:
+                    args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -330,13 +341,15 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("model", help="folder written by save_pretrained (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype: auto, float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype: float32, bfloat16, float16, or auto: the "
+                                                    "folder's dtype on a CPU, vLLM's choice on a GPU")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the config's)")
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="KV-cache size in GiB on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE; GPUs size it)")
     parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
+    parser.verbatim_options = ("--vllm-args",)
     parser.set_defaults(run="diff_transformer.serving:serve")
     return parser
 

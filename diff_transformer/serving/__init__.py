@@ -2,6 +2,8 @@
 in each of its processes; `serve` starts vLLM's OpenAI-compatible server on a folder. vLLM is imported only inside
 these functions, so `import diff_transformer` never needs it."""
 
+import warnings
+
 from .server import serve
 
 ARCHITECTURE = "DiffForCausalLM"
@@ -25,6 +27,37 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     guard_transformers_backend(ModelRegistry, DiffConfig.model_type)
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, EngineConfigCheck)
+
+
+class EngineConfigCheck:
+    """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP`), which vLLM runs in the calling process when it
+    builds the engine's config: what the model would refuse in the engine's worker (parallelism, config fields, head
+    sizes) and LoRA, refused here, before any engine process starts; on a GPU, a warning when vLLM will not run
+    these heads with FlashAttention, and an error when the chosen --attention-backend cannot run them."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from vllm.platforms import current_platform
+
+        from .layout import MERGE_ADVICE, check_servable, gpu_backend_note, gpu_widths
+
+        if vllm_config.lora_config is not None:
+            raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
+        parallel, config = vllm_config.parallel_config, vllm_config.model_config.hf_config
+        cpu = current_platform.is_cpu()
+        check_servable(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, cpu)
+        if not cpu:  # the CUDA attention backend vLLM will pick, or refuse an unfit choice
+            selected = getattr(vllm_config.attention_config.backend, "name", None)
+            dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+            if note := gpu_backend_note(gpu_widths(config), dtype, selected):
+                warnings.warn(note, stacklevel=2)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return None
 
 
 def guard_transformers_backend(registry, model_type: str) -> None:

