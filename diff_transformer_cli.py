@@ -6,15 +6,31 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs from `diff_transformer.tools.commands`."""
 
 import argparse
+import json
 import math
 import os
 import pkgutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 COMMANDS = "diff_transformer.tools.commands"  # where each command runs, imported after parsing
+MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type, without importing transformers
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job scheduler's stop), handled as Ctrl-C is: one line, nothing half-written. Its exit status
+    is 128 + 15, as the shell reports a process the signal ended (Ctrl-C's: 130); an exception raised in its place
+    carries `exit_code` on."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def on_sigterm(signum: int, frame) -> None:
+    raise Terminated("terminated (SIGTERM)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -73,19 +89,68 @@ def percent(text: str) -> float:
     return float(text)
 
 
-def text_file(text: str) -> str:
-    """A readable UTF-8 text file (checked up front: training a tokenizer on anything else fails obscurely)."""
-    from diff_transformer.tools.data import read_text_file
-
+def read_text_file(path: str | os.PathLike) -> str:
+    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing, a folder or not UTF-8
+    text."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not a text file; give one file (join several with `cat`)")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {path} (looked in {os.getcwd()})")
     try:
-        read_text_file(text)
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
+        ) from None
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in `path`; `ValueError` naming the file and the position of the error when it is not one."""
+    try:
+        value = json.loads(read_text_file(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
+    return value
+
+
+def text_file(text: str) -> str:
+    """A readable UTF-8 text file with some text in it (checked up front: training a tokenizer on anything else
+    fails obscurely, or after seconds)."""
+    try:
+        content = read_text_file(text)
     except (OSError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if not content.strip():
+        what = "is empty" if not content else f"holds only whitespace ({len(content)} characters)"
+        raise argparse.ArgumentTypeError(f"{text} {what}; give a text file with the text to train on")
     return text
 
 
-def folder_config(text: str) -> dict:
-    """config.json of a local folder written by save_pretrained, with a tokenizer."""
+def model_type_problem(config: dict, folder: str, diff: bool) -> str | None:
+    """What is wrong with the `model_type` of a folder's config.json, or None. Without one, transformers falls back on
+    the folder's remote code (`auto_map`) and asks on stdin whether to run it; a DIFF command given another
+    architecture would load it as a random model."""
+    found = config.get("model_type")
+    if found is None:
+        architectures = config.get("architectures") or []
+        if diff or any(name.startswith("Diff") for name in architectures):
+            restore = f'"model_type": "{MODEL_TYPE}"'
+        else:
+            restore = f"the model_type of its architecture ({', '.join(architectures) or 'unknown'}), e.g. \"llama\""
+        return f"{folder}/config.json has no \"model_type\"; restore {restore} in it"
+    if diff and found != MODEL_TYPE:
+        return (f"{folder} holds a '{found}' model, not a DIFF Transformer ('{MODEL_TYPE}'); convert it first with "
+                f"`diff-transformer convert {folder} OUT` (Llama, Mistral, Qwen2 and DiffLlama checkpoints), or load "
+                "it with AutoModelForCausalLM")
+    return None
+
+
+def folder_config(text: str, diff: bool = False) -> dict:
+    """config.json of a local folder written by save_pretrained, with a tokenizer and a model_type (of a DIFF
+    Transformer with `diff`)."""
     folder = Path(text)
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
@@ -95,29 +160,25 @@ def folder_config(text: str) -> dict:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
                                          f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
-    from diff_transformer.tools.data import read_json
-
     try:
-        return read_json(folder / "config.json")
+        config = read_json(folder / "config.json")
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{error}; fix it, or save the model again with save_pretrained") from None
+    problem = model_type_problem(config, text, diff)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return config
 
 
 def model_folder(text: str) -> str:
-    """A local folder written by save_pretrained: a readable config.json and a tokenizer."""
+    """A local folder written by save_pretrained: a readable config.json with a model_type, and a tokenizer."""
     folder_config(text)
     return text
 
 
 def diff_model_folder(text: str) -> str:
     """A model folder whose config is a DIFF Transformer's."""
-    config = folder_config(text)
-    from diff_transformer.configuration_diff import check_model_type
-
-    try:
-        check_model_type(config, text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    folder_config(text, diff=True)
     return text
 
 
@@ -154,9 +215,14 @@ def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParse
     problem = unwritable(Path(args.output))
     if problem:
         parser.error(f"--output {args.output}: {problem}; choose another --output")
-    if (Path(args.output) / "config.json").is_file() and not args.overwrite:
-        parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
-                     "replace it, or choose another --output")
+    output = Path(args.output)
+    if (output / "config.json").is_file():
+        if not args.overwrite:
+            parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
+                         "replace it, or choose another --output")
+    elif output.is_dir() and any(output.iterdir()):  # the model replaces the folder whole, in one rename
+        parser.error(f"--output {args.output} is a folder with other files and no saved model; choose a new or "
+                     "empty folder")
 
 
 def local_folder_or_hub_id(text: str) -> str:
@@ -187,6 +253,10 @@ def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                      "each head has two query/key sub-heads of hidden / (2 heads) dims")
     if args.data is None and args.pairs > args.keys:
         parser.error(f"--pairs ({args.pairs}) cannot exceed --keys ({args.keys}): each pair uses a distinct key")
+    size = 0 if args.data is None else Path(args.data).stat().st_size
+    if args.data is not None and size < args.block_size - 1:  # a token spells at least one byte
+        parser.error(f"--data {args.data} has {size} bytes, fewer than the {args.block_size - 1} tokens of text in "
+                     f"one block of --block-size {args.block_size}; give a longer file or --block-size {size + 1}")
     check_output_folder(args, parser)
 
 
@@ -370,16 +440,21 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command_parser
     if hasattr(args, "check"):
         args.check(args, command)
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
         pkgutil.resolve_name(args.run)(args)
-    except KeyboardInterrupt as stop:  # Ctrl-C: what it stopped, in one line
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: what it stopped, in one line
         if args.debug:
             raise
-        command.exit(130, f"{command.prog}: {str(stop) or 'interrupted'}\n")
+        code = getattr(stop, "exit_code", 128 + signal.SIGINT)
+        command.exit(code, f"{command.prog}: {str(stop) or 'interrupted'}\n")
     except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
         if args.debug:
             raise
         command.exit(2, f"{command.prog}: error: {' '.join(str(error).split())} (--debug shows the traceback)\n")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import copy
 import difflib
+import logging
 import math
 import os
 import types
@@ -46,6 +47,43 @@ def check_model_type(config_dict: dict, source: str | os.PathLike) -> None:
             f"convert it first with `diff-transformer convert {os.fspath(source)} OUT` (Llama, Mistral, Qwen2 and "
             "DiffLlama checkpoints), or load it with AutoModelForCausalLM"
         )
+
+
+def unsupported_fields(config_dict: dict) -> list[str]:
+    """Fields of a config (as a dict: a config.json's or a constructor's keywords) that the DIFF model does not
+    implement although Llama-family code acts on them, each as "name=value (what the model does instead)": a
+    `sliding_window`, and a `partial_rotary_factor` other than 1 (top level, or in `rope_parameters` /
+    `rope_scaling`). transformers' model would ignore them and vLLM's apply them, so they are refused rather than
+    kept. Empty when there is none."""
+    found = []
+    if config_dict.get("sliding_window") is not None:
+        found.append(f"sliding_window={config_dict['sliding_window']!r} (the model attends to the whole context)")
+    factors = {"partial_rotary_factor": config_dict.get("partial_rotary_factor")}
+    for name in ("rope_parameters", "rope_scaling"):
+        if isinstance(config_dict.get(name), dict):
+            factors[f"{name}.partial_rotary_factor"] = config_dict[name].get("partial_rotary_factor")
+    for name, factor in factors.items():
+        if factor is not None and factor != 1:
+            found.append(f"{name}={factor!r} (the model rotates every dimension of a head)")
+    return found
+
+
+class RopeProblems(logging.Filter):
+    """Collects the problems transformers' rope validation logs as warnings ("factor field must be a float or int >=
+    1", "Missing ..."), which do not reach the user at the usual verbosity; other records pass as they would."""
+
+    REFUSED = ("must be", "must have", "Missing")
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level, self.problems = level, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(word in message for word in self.REFUSED):
+            self.problems.append(message.replace("`rope_parameters`'s ", ""))
+            return False
+        return record.levelno >= self.level
 
 
 def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
@@ -167,6 +205,12 @@ class DiffConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         saved = kwargs.pop(LOADING_SAVED, False)
+        unsupported = unsupported_fields({**kwargs, "rope_parameters": self.rope_parameters})
+        self._check(
+            not unsupported,
+            f"{' and '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported; remove "
+            + ("them" if len(unsupported) > 1 else "it") + (" from config.json" if saved else ""),
+        )
         if not saved:
             self.check_unknown(kwargs)
         self.check_types(saved)
@@ -187,8 +231,28 @@ class DiffConfig(PreTrainedConfig):
         if self.diff_version == 2:
             self.base_model_tp_plan = V2_TP_PLAN  # an instance attribute; transformers never serializes the plan
         super().__post_init__(**kwargs)
-        # transformers' rope checks (a bad `factor` warns), which `@strict` runs after init for LlamaConfig
         self.validate_rope()
+
+    def validate_rope(self) -> None:
+        """transformers' rope checks, which `@strict` runs after init for LlamaConfig, but refusing what they only
+        log (a `factor` below 1 scales positions by a negative or tiny number: wrong outputs, no error) and with a
+        `ValueError` for a missing key (transformers raises `KeyError`)."""
+        logger = logging.getLogger("transformers.modeling_rope_utils")
+        problems, level = RopeProblems(logger.getEffectiveLevel()), logger.level
+        logger.addFilter(problems)
+        logger.setLevel(logging.WARNING)
+        try:
+            super().validate_rope()
+        except KeyError as error:
+            problems.problems.append(str(error.args[0]))
+        finally:
+            logger.setLevel(level)
+            logger.removeFilter(problems)
+        self._check(
+            not problems.problems,
+            f"invalid rope_parameters {self.rope_parameters}: {'; '.join(problems.problems)}; fix or remove them "
+            "(rope_parameters, or rope_scaling in an older config.json)",
+        )
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DiffConfig":
@@ -322,4 +386,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-__all__ = ["DiffConfig", "check_local_path", "check_model_type"]
+__all__ = ["DiffConfig", "check_local_path", "check_model_type", "unsupported_fields"]

@@ -43,6 +43,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_layers import (
@@ -538,7 +539,13 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
             if not ok:
                 raise ValueError(f"attn_implementation='{DIFF_FLASH}' is unavailable: {reason}")
             return attn_implementation
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        try:
+            return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        except ValueError as error:  # transformers' list of its backends, which lacks ours
+            if "not supported" not in str(error) or DIFF_FLASH in str(error):
+                raise
+            raise ValueError(f"{error} The DIFF Transformer adds `attn_implementation=\"{DIFF_FLASH}\"` (its fused "
+                             "Triton kernel).") from None
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -586,7 +593,7 @@ class DiffModel(DiffPreTrainedModel, LlamaModel):
         return super().forward(input_ids, *args, **kwargs)
 
 
-class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM):
+class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM, GenerationMixin):  # named, as transformers' own
     def __init__(self, config: DiffConfig):
         PreTrainedModel.__init__(self, config)  # LlamaForCausalLM's modules, with a DiffModel
         self.model = DiffModel(config)

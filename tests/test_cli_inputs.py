@@ -4,8 +4,11 @@ model's context, baselines whose tokenizer reads the evaluation text differently
 Also what `train` leaves behind: nothing on Ctrl-C; a folder whose files share one mode, with its training settings
 recorded for the model card."""
 
+import json
 import os
+import pty
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -19,6 +22,8 @@ import pytest
 import torch
 from helpers import tiny_config
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from safetensors.torch import load_file, save_file
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools import hub_upload
@@ -130,6 +135,11 @@ FAST = {  # name: arguments answered without importing torch or transformers
     "bad-layers": ["convert", "--layers", "3-1", "runs/x", "out"],
     "missing-folder": ["outliers", "no/such/folder/here"],
     "overwrite": ["train", "--output", "{saved}"],
+    "empty-data": ["train", "--data", "empty.txt"],
+    "data-folder": ["train", "--data", "saved"],
+    "short-data": ["train", "--data", "short.txt", "--block-size", "64"],
+    "no-model-type": ["generate", "typeless", "--prompt", "x"],
+    "other-model-type": ["outliers", "llama"],
 }
 
 
@@ -137,8 +147,12 @@ FAST = {  # name: arguments answered without importing torch or transformers
 def test_help_and_argument_errors_import_no_torch(tmp_path, name):
     """`diff-transformer --help` and argument errors answer before torch and transformers are imported (~5 s of CPU
     on a 2-core machine), in a fresh interpreter."""
-    (tmp_path / "saved").mkdir()
-    (tmp_path / "saved" / "config.json").write_text("{}")
+    for folder, config in (("saved", {}), ("typeless", {"vocab_size": 97}), ("llama", {"model_type": "llama"})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+        (tmp_path / folder / "tokenizer.json").write_text("{}")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("k1 v2 k3 v4\n")
     arguments = [a.format(saved=tmp_path / "saved") for a in FAST[name]]
     code = ("import sys, diff_transformer_cli\n"
             f"try:\n    diff_transformer_cli.main({arguments!r})\nexcept SystemExit as stop:\n"
@@ -211,6 +225,230 @@ def trained(tmp_path_factory) -> Path:
     return folder
 
 
+# Runs each case's arguments through the command line, in one fresh interpreter with no standard input (the cases of
+# one run share its start-up): [exit status, stdout and stderr] per case, as JSON in the file named by argv[2].
+RUN_CASES = """
+import contextlib, io, json, sys, traceback
+import diff_transformer_cli
+results = []
+for arguments in json.load(open(sys.argv[1])):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+        try:
+            diff_transformer_cli.main(arguments)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+        except BaseException:
+            code, _ = 1, traceback.print_exc()
+    results.append([code, err.getvalue()])
+json.dump(results, open(sys.argv[2], "w"))
+"""
+PROMPT = "k3 v7 k9 v2 ? k9"
+
+
+def run_cases(cases: list[list[str]], folder: Path, root: Path = ROOT, timeout: int = 400,
+              stdin: int = subprocess.DEVNULL) -> list[tuple[int, str]]:
+    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with)."""
+    (folder / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", RUN_CASES, "cases.json", "results.json"], cwd=folder, env=env,
+                            stdin=stdin, capture_output=True, text=True, timeout=timeout)
+    assert (folder / "results.json").is_file(), result.stderr[-3000:]
+    return [tuple(entry) for entry in json.loads((folder / "results.json").read_text())]
+
+
+def edited_config(source: Path, folder: Path, edit) -> Path:
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def edited_weights(source: Path, folder: Path, edit) -> Path:
+    shutil.copytree(source, folder)
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def set_nan(weights: dict) -> None:
+    weights["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
+
+
+ROPE_HALF = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+BROKEN = {  # folder: how it is made from a trained one (config.json, or the weights)
+    "rope": ("config", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": -999})),
+    "window": ("config", lambda c: c.update(sliding_window=32)),
+    "partial": ("config", lambda c: c.update(rope_parameters=ROPE_HALF)),
+    "odd": ("config", lambda c: c.update(head_dim=7)),
+    "typeless": ("config", lambda c: c.pop("model_type")),
+    "nan": ("weights", set_nan),
+    "shape": ("weights", lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})),
+}
+SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where nothing may be written); {d}: folder
+    "diverging-training": (["train", "--learning-rate", "1e9", "--max-steps", "50", "--examples", "256",
+                            "--output", "{d}/runs/diverged"],
+                           "training diverged at step ", "runs"),
+    "unknown-words": (["generate", "{d}/model", "--prompt", "k3 v7 你好 😀 ? k9"],
+                      "the prompt has words the tokenizer of {d}/model does not know: '你好', '😀' (each would be "
+                      "read as <unk>)", None),
+    "invalid-rope": (["generate", "{d}/rope", "--prompt", PROMPT],
+                     "invalid rope_parameters {{'rope_type': 'linear', 'factor': -999, 'rope_theta': 10000.0}}: factor "
+                     "field must be a float or int >= 1, got -999", None),
+    "nan-weight": (["generate", "{d}/nan", "--prompt", PROMPT],
+                   "{d}/nan has non-finite weights (NaN or inf): model.layers.1.mlp.up_proj.weight (1 of ", None),
+    "sliding-window": (["generate", "{d}/window", "--prompt", PROMPT],
+                       "sliding_window=32 (the model attends to the whole context) is not supported; remove it from "
+                       "config.json", None),
+    "partial-rotary": (["generate", "{d}/partial", "--prompt", PROMPT],
+                       "rope_parameters.partial_rotary_factor=0.5 (the model rotates every dimension of a head) is not "
+                       "supported", None),
+    "odd-head-dim": (["generate", "{d}/odd", "--prompt", PROMPT], "head_dim (7) must be even", None),
+    "wrong-shape": (["generate", "{d}/shape", "--prompt", PROMPT],
+                    "the weights in {d}/shape do not fit its config.json: model.layers.0.self_attn.q_proj.weight: "
+                    "[32, 64] in model.safetensors, [64, 64] for config.json", None),
+    "no-model-type": (["generate", "{d}/typeless", "--prompt", PROMPT],
+                      '{d}/typeless/config.json has no "model_type"; restore "model_type": "diff_transformer" in it',
+                      None),
+    "no-model-type-baseline": (["outliers", "{d}/model", "--baseline", "{d}/typeless"],
+                               'restore "model_type": "diff_transformer"', None),
+    "empty-data": (["train", "--data", "{d}/empty.txt", "--output", "{d}/runs/empty"],
+                   "--data: {d}/empty.txt is empty; give a text file with the text to train on", "runs"),
+    "blank-data": (["train", "--data", "{d}/blank.txt", "--output", "{d}/runs/blank"],
+                   "{d}/blank.txt holds only whitespace (3 characters)", "runs"),
+    "data-folder": (["train", "--data", "{d}/model", "--output", "{d}/runs/folder"],
+                    "--data: {d}/model is a folder, not a text file", "runs"),
+    "short-data": (["train", "--data", "{d}/short.txt", "--output", "{d}/runs/short"],
+                   "--data {d}/short.txt has 12 bytes, fewer than the 127 tokens of text in one block of --block-size "
+                   "128; give a longer file or --block-size 13", "runs"),
+}
+
+
+@pytest.fixture(scope="module")
+def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str]]]:
+    """Every SILENTLY_WRONG case, run once in a fresh interpreter with no standard input."""
+    root = tmp_path_factory.mktemp("broken")
+    shutil.copytree(trained, root / "model")
+    for name, (part, edit) in BROKEN.items():
+        (edited_config if part == "config" else edited_weights)(trained, root / name, edit)
+    (root / "empty.txt").write_text("")
+    (root / "blank.txt").write_text(" \n\n")
+    (root / "short.txt").write_text("k1 v2 k3 v4\n")
+    cases = [[a.format(d=root) for a in arguments] for arguments, _, _ in SILENTLY_WRONG.values()]
+    return root, dict(zip(SILENTLY_WRONG, run_cases(cases, root)))
+
+
+@pytest.mark.parametrize("name", SILENTLY_WRONG)
+def test_silently_wrong_refused(silently_wrong, name):
+    """What ran without a word (a NaN model saved, an answer from <unk>, a bad rope factor, NaN weights, an ignored
+    window), what failed with a traceback or waited on stdin, and --data that is no text: exit status 2, one line
+    naming the problem and the fix, nothing written."""
+    root, results = silently_wrong
+    _, fragment, written = SILENTLY_WRONG[name]
+    code, err = results[name]
+    line = err.strip().splitlines()[-1] if err.strip() else ""
+    assert code == 2 and "Traceback" not in err and "[y/N]" not in err, (code, err[-3000:])
+    assert line.startswith(f"diff-transformer {SILENTLY_WRONG[name][0][0]}: error: "), err[-3000:]
+    assert fragment.format(d=root) in line, line
+    if written is not None:
+        assert not (root / written).exists(), list((root / written).rglob("*"))
+    assert not list(root.glob(".*incomplete*")), "a staging folder was left behind"
+
+
+def test_no_question_on_a_terminal(silently_wrong):
+    """With a terminal on stdin, a folder without model_type made transformers ask `[y/N]` whether to run its code
+    (twice, 36 s): `generate` names the fix at once, and `convert` (which loads through transformers' Auto classes)
+    refuses at once."""
+    root, _ = silently_wrong
+    leader, follower = pty.openpty()
+    try:
+        cases = [["generate", f"{root}/typeless", "--prompt", PROMPT], ["convert", f"{root}/typeless", f"{root}/out"]]
+        results = run_cases(cases, root, stdin=follower)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    for arguments, (code, err) in zip(cases, results):
+        assert code == 2 and "[y/N]" not in err and "Traceback" not in err, (arguments, code, err[-3000:])
+    assert 'restore "model_type": "diff_transformer"' in results[0][1], results[0][1]
+    assert "trust_remote_code=True" in results[1][1].strip().splitlines()[-1], results[1][1]
+    assert not (root / "out").exists()
+
+
+@pytest.fixture
+def slow_disk(tmp_path):
+    """A write limit for a child process (RLIMIT_FSIZE, with SIGXFSZ ignored): a write past it fails with EFBIG, as
+    a full disk fails one with ENOSPC, on any filesystem and without privileges."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # config.json fits, the weights do not
+    return limit
+
+
+def cli_process(arguments: list[str], cwd: Path, **options) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **options)
+
+
+def test_failed_save_leaves_nothing(tmp_path, slow_disk):
+    """The weights cannot be written (a full disk): one line, and no folder that blocks the rerun or looks like a
+    model (before: a traceback and a config.json without weights)."""
+    process = cli_process(["train", "--max-steps", "2", "--examples", "64", "--output", "runs/full"], tmp_path,
+                          preexec_fn=slow_disk)
+    err, _ = process.communicate(timeout=300)
+    assert process.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert re.search(r"\ndiff-transformer train: error: could not save the model \(.*File too large.*\); nothing "
+                     r"saved: free some space, or choose another --output \(--debug shows the traceback\)\n$", err), err
+    assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+
+
+def test_sigterm_during_training(tmp_path):
+    """`kill -TERM` mid-training: handled as Ctrl-C (one line, exit 143 = 128 + SIGTERM, nothing saved, the folders
+    made for the run removed); off a terminal, progress comes as plain lines, not a redrawn bar."""
+    process = cli_process(["train", "--max-steps", "100000", "--examples", "256", "--output", "runs/made/here"],
+                          tmp_path)
+    chunks: list[str] = []
+    reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300  # a loaded 2-core machine takes a minute or more to import torch
+    try:
+        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
+            time.sleep(0.2)
+        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    err = "".join(chunks)
+    assert process.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "\r" not in err, err[-3000:]
+    assert re.search(r"\ndiff-transformer train: terminated \(SIGTERM\) at step \d+ of 100000; nothing saved\n$",
+                     err), err[-3000:]
+    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+
+
+def test_saved_folder_serves_generate_defaults(trained):
+    """No demo setting in generation_config.json (it held max_length 8, so generate() with defaults failed on a
+    4-pair prompt): the tokenizer's special tokens and the context; no pickled training_args.bin beside the model."""
+    generation = json.loads((trained / "generation_config.json").read_text())
+    config = json.loads((trained / "config.json").read_text())
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": config["max_position_embeddings"]}
+    assert {key: generation.get(key) for key in expected} == expected, generation
+    assert not (trained / "training_args.bin").exists(), sorted(p.name for p in trained.iterdir())
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    model = DiffForCausalLM.from_pretrained(trained).eval()
+    ids = tokenizer("k1 v2 k3 v4 k5 v6 k7 v8 ? k3", return_tensors="pt")
+    output = model.generate(**ids, do_sample=False)
+    assert output.shape[1] > ids["input_ids"].shape[1], output
+
+
 def test_overwrite_replaces_a_saved_model(trained, capsys):
     first = (trained / "model.safetensors").read_bytes()
     main(["train", "--max-steps", "2", "--examples", "64", "--output", str(trained), "--seed", "4", "--overwrite"])
@@ -244,27 +482,27 @@ def test_model_card_records_training(trained, tmp_path):
 
 
 def read_stream(stream, chunks: list[str]) -> None:
-    while chunk := stream.read(64):
-        chunks.append(chunk)
+    while line := stream.readline():  # off a terminal, progress comes in whole lines
+        chunks.append(line)
 
 
 @pytest.mark.slow
 def test_ctrl_c_during_training(tmp_path):
-    """A real SIGINT once the progress bar counts steps: one line, exit 130, no folder left behind."""
+    """A real SIGINT once training logs steps: one line, exit 130, no folder left behind."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "diff_transformer_cli", "train", "--max-steps", "100000", "--examples",
                "256", "--seed", "0", "--output", "runs/made/here"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     chunks: list[str] = []
-    reader = threading.Thread(target=read_stream, args=(process.stderr, chunks), daemon=True)
+    reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
     reader.start()
     deadline = time.monotonic() + 180
     try:
-        while not re.search(r" [1-9]\d*/100000 ", "".join(chunks)[-400:]):
+        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
             assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
             time.sleep(0.2)
-        assert (tmp_path / "runs" / "made" / "here").is_dir(), "Trainer makes the output folder when it starts"
+        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)
     finally:

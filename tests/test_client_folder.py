@@ -105,11 +105,10 @@ def cli_folder(request, tmp_path_factory) -> tuple[Path, bool]:
 
 def test_cli_folder_files(cli_folder):
     folder, chat = cli_folder
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    training_length = len(encode_example(tokenizer, PROMPT, ANSWER))
     assert read_json(folder, "config.json")["use_cache"] is True, "Trainer's use_cache=False was saved"
     generation = read_json(folder, "generation_config.json")
-    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": training_length}
+    context = read_json(folder, "config.json")["max_position_embeddings"]
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": context}
     assert {key: generation.get(key) for key in expected} == expected, generation
     tokenizer_config = read_json(folder, "tokenizer_config.json")
     assert tokenizer_config["tokenizer_class"] == "TokenizersBackend" and "auto_map" not in tokenizer_config

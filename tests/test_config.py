@@ -1,8 +1,12 @@
 """DiffConfig as other tools handle it (issue #33): pickled by value as vLLM ships remote-code configs to its workers,
-and checked by transformers' own rope validation as LlamaConfig is."""
+and checked by transformers' own rope validation as LlamaConfig is, except that what it only logs is refused. Fields
+the model does not implement (a sliding window, partial rotary embeddings) are refused in code and in config.json."""
+
+import json
 
 import logging
 import pickle
+import re
 import subprocess
 import sys
 import types
@@ -96,21 +100,71 @@ def reload_with(config_class: type, rope_scaling: dict) -> Callable[[], object]:
     return lambda: config_class.from_dict({**saved, "rope_scaling": dict(rope_scaling)})
 
 
-@pytest.mark.parametrize("rope_scaling", [{"rope_type": "linear", "factor": -999.0},
-                                          {"type": "dynamic", "factor": 0.5},
-                                          {"rope_type": "linear", "factor": 10.0, "foo": "bar"}])
-def test_rope_validation_warns_as_for_llama(rope_scaling):
+INVALID_ROPE = {  # rope_scaling: what transformers' validation says of it (LlamaConfig logs it as a warning)
+    "negative-linear-factor": ({"rope_type": "linear", "factor": -999.0}, "factor field must be a float or int >= 1"),
+    "dynamic-factor-below-1": ({"type": "dynamic", "factor": 0.5}, "factor field must be a float or int >= 1"),
+    "llama3-frequencies": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                            "original_max_position_embeddings": 64}, "high_freq_factor field must be greater"),
+}
+
+
+@pytest.mark.parametrize("name", INVALID_ROPE)
+def test_invalid_rope_refused_where_llama_warns(name, tmp_path):
+    """The same problems transformers' validation finds for LlamaConfig, refused at construction and at load: a
+    linear factor of -999 scales every position by -1/999, wrong outputs without an error."""
+    rope_scaling, problem = INVALID_ROPE[name]
     llama = rope_warnings(reload_with(LlamaConfig, rope_scaling))
-    assert len(llama) == 1, f"LlamaConfig logged {llama}: transformers' validation changed, revisit this test"
-    diff = rope_warnings(reload_with(DiffConfig, rope_scaling))
-    assert diff == llama, f"DiffConfig's rope parameters are not validated as Llama's: {diff} against {llama}"
+    assert len(llama) == 1 and problem in llama[0], f"LlamaConfig logged {llama}: transformers' validation changed"
+    with pytest.raises(ValueError, match=rf"^DiffConfig: invalid rope_parameters .*{problem}.*; fix or remove them"):
+        reload_with(DiffConfig, rope_scaling)()
+    with pytest.raises(ValueError, match=problem):
+        DiffConfig(rope_parameters=dict(rope_scaling), **SIZES)
+    saved = {**DiffConfig(**SIZES).to_dict(), "rope_scaling": rope_scaling}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=problem):
+        DiffConfig.from_pretrained(tmp_path)
 
 
 def test_rope_validation_in_code():
-    bad = {"rope_parameters": {"rope_type": "linear", "factor": -999.0}, **SIZES}
-    llama = rope_warnings(lambda: LlamaConfig(**bad))
-    assert len(llama) == 1 and "factor field" in llama[0], llama
-    assert rope_warnings(lambda: DiffConfig(**bad)) == llama
     assert rope_warnings(reload_with(DiffConfig, {"rope_type": "linear", "factor": 10.0})) == []
-    with pytest.raises(KeyError, match="factor"):  # as LlamaConfig: a rope type without its required key
+    unknown_key = {"rope_type": "linear", "factor": 10.0, "foo": "bar"}  # ignored by both: a warning, as for Llama
+    assert rope_warnings(reload_with(DiffConfig, unknown_key)) == rope_warnings(reload_with(LlamaConfig, unknown_key))
+    assert len(rope_warnings(reload_with(DiffConfig, unknown_key))) == 1
+    with pytest.raises(ValueError, match="Missing required keys.*'factor'"):  # LlamaConfig: KeyError
         DiffConfig(rope_parameters={"rope_type": "linear"}, **SIZES)
+    scaled = DiffConfig(rope_parameters={"rope_type": "linear", "factor": 2.0}, **SIZES)
+    assert scaled.rope_parameters["factor"] == 2.0
+
+
+UNSUPPORTED = {  # name: (keywords / config.json keys, a fragment of the answer)
+    "sliding-window": ({"sliding_window": 32}, "sliding_window=32 (the model attends to the whole context)"),
+    "partial-rotary-rope-parameters": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+        "rope_parameters.partial_rotary_factor=0.5 (the model rotates every dimension of a head)"),
+    "partial-rotary-rope-scaling": ({"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+                                    "rope_scaling.partial_rotary_factor=0.25"),
+    "partial-rotary-top-level": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_fields_refused(name, tmp_path):
+    """transformers' DIFF model ignores these and vLLM applies them (different tokens from the first one): refused
+    in code and in a saved config.json, naming the field and the fix."""
+    fields, fragment = UNSUPPORTED[name]
+    assert any(fragment in found for found in configuration_diff.unsupported_fields(fields)), fields
+    with pytest.raises(ValueError, match=rf"^DiffConfig: {re.escape(fragment)}.* is not supported; remove it\.$"):
+        DiffConfig(**SIZES, **json.loads(json.dumps(fields)))
+    (tmp_path / "config.json").write_text(json.dumps({**DiffConfig(**SIZES).to_dict(), **fields}))
+    with pytest.raises(ValueError, match=rf"{re.escape(fragment)}.* is not supported; remove it from config\.json"):
+        DiffConfig.from_pretrained(tmp_path)
+
+
+def test_supported_values_kept():
+    assert configuration_diff.unsupported_fields({"sliding_window": None, "partial_rotary_factor": 1.0,
+                                                  "rope_parameters": {"partial_rotary_factor": 1}}) == []
+    both = configuration_diff.unsupported_fields({"sliding_window": 8, "rope_scaling": {"partial_rotary_factor": 0.5}})
+    assert len(both) == 2, both
+    with pytest.raises(ValueError, match="are not supported; remove them"):
+        DiffConfig(**SIZES, sliding_window=8, partial_rotary_factor=0.5)
+    assert DiffConfig(**SIZES, sliding_window=None).head_dim == 16

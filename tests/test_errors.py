@@ -194,6 +194,37 @@ def test_data_mistakes(folders, tmp_path, capfd):
     assert len(blocks) > 10 and "indexing errors" not in capfd.readouterr().err
 
 
+def test_unknown_attention_names_diff_flash(folders):
+    """transformers' list of its backends, and ours, which it lacks."""
+    with pytest.raises(ValueError, match=r'"flashh"` is not supported\. The only possible arguments are .*sdpa.*\. The '
+                                         r'DIFF Transformer adds `attn_implementation="diff_flash"`'):
+        DiffForCausalLM.from_pretrained(folders / "diff", attn_implementation="flashh")
+
+
+PIPELINE_WITHOUT_IMPORT = """
+import sys
+from transformers import pipeline
+try:
+    pipeline("text-generation", model=sys.argv[1])
+except ValueError as error:
+    print("ANSWER", " ".join(str(error).split()))
+"""
+
+
+def test_pipeline_without_the_package_is_explained(folders):
+    """`pipeline(model=FOLDER)` without `import diff_transformer`: transformers refuses the folder's remote code (after
+    asking on a terminal); its message offers trust_remote_code=True only, so the troubleshooting page names the other
+    way, `import diff_transformer`, for that message."""
+    result = subprocess.run([sys.executable, "-c", PIPELINE_WITHOUT_IMPORT, str(folders / "diff")],
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}, cwd=folders)
+    answer = result.stdout.split("ANSWER ", 1)[-1]
+    assert "contains custom code which must be executed" in answer and "trust_remote_code=True" in answer, result
+    rows = [row for row in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines()
+            if "contains custom code which must be executed" in row]
+    assert len(rows) == 1 and "import diff_transformer" in rows[0] and "trust_remote_code=True" in rows[0], rows
+
+
 def test_probe_may_be_a_tensor():
     model = DiffForCausalLM(tiny_config())
     logs = {}

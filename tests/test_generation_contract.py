@@ -15,7 +15,7 @@ from transformers import CompileConfig, StaticCache
 from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder
 
-from diff_transformer import DiffConfig
+from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.modeling_diff import CACHE_KWARG
 
 PROMPT = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -181,3 +181,13 @@ def test_returned_hidden_states_and_attentions_carry_gradients(stack):
     out.logits.flatten()[0].backward()
     assert hidden.grad is not None and attention.grad is not None
     assert attention.grad.abs().sum() > 0, "the attention map does not reach the logits"
+
+
+def test_inherits_generation_mixin():
+    """transformers' common test of the same name (tests/test_modeling_common.py): every generative class names
+    `GenerationMixin` among its direct bases, as transformers' own classes do, rather than getting it through
+    `LlamaForCausalLM` alone."""
+    generative = [cls for cls in (DiffModel, DiffForCausalLM, DiffForSequenceClassification) if cls.can_generate()]
+    assert generative == [DiffForCausalLM], generative
+    for model_class in generative:
+        assert "GenerationMixin" in str(model_class.__bases__), model_class.__bases__

@@ -27,7 +27,8 @@ CONTEXT = 32
 def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "diff_transformer_cli", "upload", *args]
-    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
 
 
 def upload_exit_code(args: list[str]) -> int:
@@ -48,6 +49,7 @@ def prepared(tmp_path_factory):
     config["max_position_embeddings"] = CONTEXT  # a short context keeps generation with the folder's defaults short
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").unlink()
+    torch.save({"output_dir": "runs/x"}, folder / "training_args.bin")  # as Trainer.save_model writes it
     result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in docs/
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
@@ -135,6 +137,49 @@ def test_readme_and_model_card_calls_run_without_package(prepared, tmp_path):
     card = documented_calls((folder / "README.md").read_text(), "someone/diff-tiny", folder) + DOCUMENTED_CALLS_CHECK
     output = run_without_package(readme + card, tmp_path)
     assert output.count("CALLS_OK") == 2, output
+
+
+def test_pickled_files_left_out(prepared, monkeypatch):
+    """A pickled file runs code when loaded: the upload leaves it out, and says so."""
+    folder, result = prepared
+    assert ("diff-transformer upload: warning: not uploading training_args.bin: pickled files run code when loaded, "
+            "and the model needs none of them") in result.stderr, result.stderr
+    calls = []
+
+    class Hub:  # stands in for the Hub's API (no network here); the upload's own code runs as written
+        def __init__(self, token):
+            pass
+
+        def create_repo(self, *args, **kwargs):
+            pass
+
+        def upload_folder(self, **kwargs):
+            calls.append(kwargs)
+            return type("Commit", (), {"commit_url": "https://hf.co/someone/x/commit/0"})()
+
+    monkeypatch.setattr(hub_upload, "HfApi", Hub)
+    hub_upload.upload(folder, "someone/x", private=False, token="token")
+    patterns = calls[0]["ignore_patterns"]
+    assert hub_upload.pickled_files(folder) == ["training_args.bin"]
+    assert [p for p in patterns if Path("training_args.bin").match(p)] and not [
+        p for p in patterns for name in ("model.safetensors", "config.json") if Path(name).match(p)], patterns
+
+
+def test_pickled_weights_refused(tmp_path):
+    """A folder whose weights are only a pickled pytorch_model.bin (which passed --dry-run silently): refused in one
+    line before anything is written."""
+    folder = save_tiny_folder(tmp_path / "model")
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    before = sorted(path.name for path in folder.iterdir())
+    result = run_upload(str(folder), "someone/x", "--dry-run")
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert line.startswith(f"diff-transformer upload: error: {folder} has no safetensors weights (only the pickled "
+                           "pytorch_model.bin, which run code when loaded); load the model and save it again"), line
+    assert sorted(path.name for path in folder.iterdir()) == before, "the folder was changed"
 
 
 @pytest.mark.parametrize(

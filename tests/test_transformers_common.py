@@ -12,7 +12,8 @@ By hand:
 The source distribution lacks two modules test_modeling_common.py imports, the generation and export testers; they
 stand in as empty mixins here. Generation has the project's own tests (test_generation_contract.py,
 test_cache_compat.py, test_pipeline.py), so `all_generative_model_classes` is empty, as transformers asks of a tester
-without them.
+without them; the generation tester's check of the classes themselves, `test_inherits_generation_mixin`, runs here as
+written there.
 """
 
 import os
@@ -110,3 +111,11 @@ class DiffModelTest(common.ModelTesterMixin, unittest.TestCase):
             elif model_class in (DiffForTokenClassification, DiffForCausalLM):
                 inputs_dict["labels"] = torch.zeros(batch, length, dtype=torch.long)
         return inputs_dict
+
+    def test_inherits_generation_mixin(self):
+        """The generation tester's test of this name (tests/generation/test_utils.py, not in the source distribution),
+        as written there, over the classes that generate: each names `GenerationMixin` among its direct bases."""
+        generative = [model_class for model_class in self.all_model_classes if model_class.can_generate()]
+        self.assertEqual(generative, [DiffForCausalLM])
+        for model_class in generative:
+            self.assertTrue("GenerationMixin" in str(model_class.__bases__))

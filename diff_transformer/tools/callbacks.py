@@ -1,8 +1,10 @@
-"""Trainer callbacks for the Differential Transformer (Ye et al., arXiv 2410.05258): lambda logging and warm-up.
+"""Trainer callbacks for the Differential Transformer (Ye et al., arXiv 2410.05258): lambda logging and warm-up, and a
+stop on divergence.
 
 `LambdaLoggingCallback` adds lambda per layer (and optionally the entropy of both softmax branches on a fixed probe
 batch) to the Trainer's logs. `LambdaWarmupCallback` ramps lambda_init of a converted model (which starts at 0,
 see convert.py) linearly to a target, so the function moves away from the source model gradually.
+`NonFiniteStopCallback` ends training with an error at the first step whose loss or gradients are not finite.
 """
 
 import torch
@@ -103,4 +105,35 @@ class LambdaWarmupCallback(TrainerCallback):
         set_lambda_init(model, self.value_at(state.global_step))
 
 
-__all__ = ["LambdaLoggingCallback", "LambdaWarmupCallback", "lambda_values", "set_lambda_init", "probe_entropies"]
+class NonFiniteTrainingError(ValueError):
+    """Training diverged: a loss or gradient is NaN or infinite."""
+
+
+class NonFiniteStopCallback(TrainerCallback):
+    """Raise `NonFiniteTrainingError` before the optimizer step of the first step whose gradients are not all finite
+    (a NaN or infinite loss makes them so), so that no NaN reaches the weights. Trainer's own logs hide such a run:
+    `logging_nan_inf_filter` leaves non-finite losses out of the logged mean, which reads 0 when all are.
+
+    `hint` ends the message: what the user can change (the command line names its --learning-rate)."""
+
+    def __init__(self, hint: str = "lower the learning rate, or check the data and the loss"):
+        self.hint = hint
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        gradients = [p.grad for p in model.parameters() if p.grad is not None]
+        if gradients and not all(bool(torch.isfinite(g).all()) for g in gradients):
+            raise NonFiniteTrainingError(
+                f"training diverged at step {state.global_step + 1} of {state.max_steps}: the loss or a gradient is "
+                f"NaN or infinite; {self.hint}"
+            )
+
+
+__all__ = [
+    "LambdaLoggingCallback",
+    "LambdaWarmupCallback",
+    "NonFiniteStopCallback",
+    "NonFiniteTrainingError",
+    "lambda_values",
+    "set_lambda_init",
+    "probe_entropies",
+]

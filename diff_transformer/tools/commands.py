@@ -5,11 +5,15 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -23,11 +27,14 @@ from transformers import (
     pipeline,
     set_seed,
 )
+from transformers import dynamic_module_utils
+from transformers.utils import logging as hf_logging
 from diff_transformer_cli import nearest_existing
 
 from .. import DiffConfig, DiffForCausalLM
-from .data import KeyValueTask, TokenBlocks, retrieval_accuracy, task_dataset, text_file_dataset
-from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, train_bpe_tokenizer
+from .callbacks import NonFiniteStopCallback
+from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
+from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
 TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
@@ -36,8 +43,19 @@ TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
 )
 
 
+# No command waits on stdin: where a folder's code would run (auto_map without a registered model_type), transformers
+# asks whether to trust it and waits 15 s for an answer; at 0 it refuses at once, naming trust_remote_code, as it does
+# in its own CI. The commands load our model through the registered classes and never need the folder's copy.
+dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
+TERMINAL = sys.stderr.isatty()  # progress bars redraw in place on a terminal; in a log file they are plain lines
+if not TERMINAL:
+    hf_logging.disable_progress_bar()
+
+
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with what it stopped; the command line prints it in one line."""
+    """Ctrl-C, with what it stopped; the command line prints it in one line and exits with `exit_code`."""
+
+    exit_code = 130
 
 
 def remove_created_folders(folder: Path, existing: Path) -> None:
@@ -48,9 +66,69 @@ def remove_created_folders(folder: Path, existing: Path) -> None:
         folder = folder.parent
 
 
+def load_config(folder: str):
+    """The folder's config, read first by every command: a DiffConfig refuses a bad field here with its own message
+    (AutoTokenizer, reading it first, would fall back on a bare config and fail with another). Never asks on stdin
+    whether to run remote code."""
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+
+
+def load_tokenizer(folder: str):
+    return AutoTokenizer.from_pretrained(folder, config=load_config(folder), trust_remote_code=False)
+
+
+def mismatched_shapes(folder: str, config) -> list[str]:
+    """"name: S in the file, T for config.json" for each weight of the folder whose shape does not fit its config."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    found = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt") as weights:
+            for name in weights.keys():
+                shape = tuple(weights.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    found.append(f"{name}: {list(shape)} in {file.name}, {list(expected[name])} for config.json")
+    return found
+
+
+def check_finite_weights(model: torch.nn.Module, what: str) -> None:
+    """`ValueError` naming the weights of `model` that hold NaN or infinite values (which make every output NaN:
+    an empty answer, no error)."""
+    bad = [f"{name} ({int((~torch.isfinite(p)).sum())} of {p.numel()} values)"
+           for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"{what} has non-finite weights (NaN or inf): {', '.join(bad[:3])}"
+                         f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; its training diverged or the file is "
+                         "damaged: use an earlier checkpoint, or train again with a lower learning rate")
+
+
+@contextmanager
+def named_load_errors(folder: str) -> Iterator[None]:
+    """transformers' error for weights of the wrong shape names neither the tensor nor the shapes (they are in a log
+    report): a `ValueError` with both instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        mismatched = mismatched_shapes(folder, load_config(folder))
+        if not mismatched:
+            raise
+        raise ValueError(f"the weights in {folder} do not fit its config.json: {'; '.join(mismatched[:3])}; they come "
+                         "from another model: save the model and its config again together") from error
+
+
+def load_checked_model(folder: str, **options) -> torch.nn.Module:
+    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked."""
+    with named_load_errors(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
+    check_finite_weights(model, folder)
+    return model
+
+
 def model_context(folder: str) -> int | None:
     """The context of the model in `folder`: its config's max_position_embeddings, where it has one."""
-    return getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    return getattr(load_config(folder), "max_position_embeddings", None)
 
 
 def check_context(folder: str, tokens: int, what: str) -> None:
@@ -91,6 +169,24 @@ class TimeLimit(TrainerCallback):
             control.should_training_stop = True
             print(f"WARNING: --minutes {self.minutes:g} stopped training at step {state.global_step} of "
                   f"{state.max_steps}; the model may be undertrained (drop --minutes to train all steps)")
+
+
+class PlainProgress(TrainerCallback):
+    """Off a terminal: the loss in plain lines (on stdout, as QuietProgress writes its own), at the first log, so that
+    a log shows training has started, and once per quarter of the run."""
+
+    def __init__(self):
+        self.quarter = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" not in (logs or {}) or state.global_step < self.quarter * state.max_steps / 4:
+            return
+        print(f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}", flush=True)
+        while self.quarter * state.max_steps / 4 <= state.global_step:
+            self.quarter += 1
+
+    def close(self) -> None:
+        pass
 
 
 class QuietProgress(ProgressCallback):
@@ -142,20 +238,19 @@ def build_data(args: argparse.Namespace):
     return None, tokenizer, text_file_dataset(args.data, tokenizer, args.block_size)
 
 
-def training_generation_config(tokenizer, dataset: TokenBlocks) -> GenerationConfig:
-    """Generation defaults as the model was trained: its special tokens, and at most as many tokens (prompt included)
-    as its longest training sequence."""
+def training_generation_config(tokenizer) -> GenerationConfig:
+    """The tokenizer's special tokens, and no length of this run's (its closing demo passes max_new_tokens):
+    `save_pretrained` bounds generation by the model's context (`folder_defaults.generation_defaults`)."""
     return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        max_length=max(len(block) for block in dataset.blocks),
     )
 
 
-def training_arguments(args: argparse.Namespace) -> TrainingArguments:
+def training_arguments(args: argparse.Namespace, folder: Path) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=args.output,
+        output_dir=str(folder),
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
@@ -168,20 +263,53 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU-only machine needs it said
         seed=args.seed,
         dataloader_num_workers=0,
-        disable_tqdm=False,  # QuietProgress replaces the log printing
+        disable_tqdm=not TERMINAL,  # QuietProgress replaces the log printing; PlainProgress off a terminal
     )
 
 
-def run_training(trainer: Trainer, progress: QuietProgress, output: Path, existing: Path):
-    """trainer.train(); Ctrl-C ends it as `Interrupted` naming the step, after removing the empty folders that
-    Trainer made for `output` below `existing` (the part of the path there before this run)."""
+def staging_folder(output: Path) -> Path:
+    """Where `train` writes before the rename into `output`: a hidden sibling that nobody takes for a model and
+    that blocks no rerun."""
+    return output.parent / f".{output.name}.incomplete-{os.getpid()}"
+
+
+def move_into_place(staging: Path, output: Path) -> None:
+    """Rename the finished `staging` folder to `output`: `output` is at every moment absent, the model it held
+    (replaced with --overwrite, checked before training) or the new one, never half-written."""
+    if output.is_dir() and not any(output.iterdir()):
+        output.rmdir()
+    if not output.exists():
+        os.replace(staging, output)
+        return
+    replaced = output.parent / f".{output.name}.replaced-{os.getpid()}"
+    os.replace(output, replaced)
+    os.replace(staging, output)
+    shutil.rmtree(replaced)
+
+
+@contextmanager
+def nothing_half_written(trainer: Trainer, progress, staging: Path, existing: Path) -> Iterator[None]:
+    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove `staging` and the folders made for it below
+    `existing` (the part of the path there before this run); say in one line what stopped at which step."""
     try:
-        return trainer.train()
-    except KeyboardInterrupt:
+        yield
+    except BaseException as error:
         progress.close()
-        remove_created_folders(output, existing)
-        raise Interrupted(f"interrupted at step {trainer.state.global_step} of {trainer.state.max_steps}; "
-                          "nothing saved") from None
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_created_folders(staging.parent, existing)
+        state = trainer.state
+        where = (f"at step {state.global_step} of {state.max_steps}" if state.global_step < state.max_steps
+                 else "while saving")
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (`Terminated`, with its exit status)
+            stopped = Interrupted(f"{str(error) or 'interrupted'} {where}; nothing saved")
+            stopped.exit_code = getattr(error, "exit_code", stopped.exit_code)
+            raise stopped from None
+        if isinstance(error, (OSError, SafetensorError)):  # safetensors' write errors are no OSError
+            raise OSError(f"could not save the model ({error}); nothing saved: free some space, or choose another "
+                          "--output") from error
+        if isinstance(error, ValueError):
+            raise ValueError(f"{error}; nothing saved") from error
+        raise
 
 
 def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
@@ -196,28 +324,38 @@ def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    existing = nearest_existing(Path(args.output))
+    output = Path(args.output)
+    existing, staging = nearest_existing(output), staging_folder(output)
     set_seed(args.seed)
     task, tokenizer, dataset = build_data(args)
+    if args.prompt is not None:
+        check_known_words(tokenizer, args.prompt, "--prompt")
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
     print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
     set_threads(args.threads, model)
-    callbacks = [] if args.minutes is None else [TimeLimit(args.minutes)]
-    trainer = Trainer(model=model, args=training_arguments(args), train_dataset=dataset, callbacks=callbacks)
+    callbacks = [NonFiniteStopCallback(f"lower --learning-rate ({args.learning_rate:g})")]
+    if args.minutes is not None:
+        callbacks.append(TimeLimit(args.minutes))
+    shutil.rmtree(staging, ignore_errors=True)  # a killed run's, whose process id this one has
+    trainer = Trainer(model=model, args=training_arguments(args, staging), train_dataset=dataset, callbacks=callbacks)
     for printer in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(printer)
-    progress = QuietProgress()
+    progress = QuietProgress() if TERMINAL else PlainProgress()
     trainer.add_callback(progress)
-    result = run_training(trainer, progress, Path(args.output), existing)
-    print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
-          f"mean loss {result.training_loss:.4f}")
-    model.generation_config = training_generation_config(tokenizer, dataset)
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    trainer.save_model(args.output)
-    tokenizer.save_pretrained(args.output)
-    save_training_args(args, result, Path(args.output))
+    with nothing_half_written(trainer, progress, staging, existing):
+        result = trainer.train()
+        print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
+              f"mean loss {result.training_loss:.4f}")
+        check_finite_weights(model, "the trained model")
+        model.generation_config = training_generation_config(tokenizer)
+        tokenizer.model_max_length = model.config.max_position_embeddings
+        staging.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(staging)  # not trainer.save_model: its pickled training_args.bin is no model file
+        tokenizer.save_pretrained(staging)
+        save_training_args(args, result, staging)
+        move_into_place(staging, output)
     print(f"saved to {args.output}")
-    reloaded = AutoModelForCausalLM.from_pretrained(args.output).eval()
+    reloaded = load_checked_model(args.output).eval()
     print(f"reloaded through AutoModelForCausalLM: {type(reloaded).__name__}")
     if task is not None:
         print(f"retrieval accuracy on held-out prompts: {retrieval_accuracy(reloaded, tokenizer, task):.3f}")
@@ -232,9 +370,8 @@ def train(args: argparse.Namespace) -> None:
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool, model=None, tokenizer=None) -> str:
     """Continue `prompt`; a folder whose tokenizer has a chat template gets it as a user turn and answers with the
     assistant's reply."""
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    generator = pipeline("text-generation", model=model or AutoModelForCausalLM.from_pretrained(model_dir),
-                         tokenizer=tokenizer)
+    tokenizer = tokenizer or load_tokenizer(model_dir)
+    generator = pipeline("text-generation", model=model or load_checked_model(model_dir), tokenizer=tokenizer)
     generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
     chat = tokenizer.chat_template is not None
     inputs = [{"role": "user", "content": prompt}] if chat else prompt
@@ -294,9 +431,10 @@ def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
+    check_known_words(tokenizer, args.prompt, "the prompt", args.model)
     prompt = fitted_prompt(args, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model = load_checked_model(args.model)
     set_threads(args.threads, model)
     generate_text(args.model, prompt, args.max_new_tokens, args.sample, model=model, tokenizer=tokenizer)
 
@@ -317,27 +455,28 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
     """{"diff": (model, tokenizer)} plus "baseline" when given; sets the thread count from the model's size. First
     (before loading a model) every tokenizer must spell the evaluation's texts, the baseline's as the model's does,
     and --length must fit every model's context."""
-    from .evaluation import check_same_encoding, check_tokenizer, load_model
+    from .evaluation import check_same_encoding, check_tokenizer
 
     folders = {"diff": args.model} if args.baseline is None else {"diff": args.model, "baseline": args.baseline}
-    tokenizers = {name: AutoTokenizer.from_pretrained(folder) for name, folder in folders.items()}
+    tokenizers = {name: load_tokenizer(folder) for name, folder in folders.items()}
     for name, folder in folders.items():
         check_tokenizer(tokenizers[name], folder)
         check_context(folder, args.length, f"--length {args.length}")
     if args.baseline is not None:
         check_same_encoding(tokenizers["diff"], tokenizers["baseline"], args.model, args.baseline)
-    models = {name: (load_model(folder, attn_implementation), tokenizers[name]) for name, folder in folders.items()}
+    models = {name: (load_checked_model(folder, attn_implementation=attn_implementation).eval(), tokenizers[name])
+              for name, folder in folders.items()}
     set_threads(args.threads, models["diff"][0])
     return models
 
 
 def run_eval_needle(args: argparse.Namespace) -> None:
-    from .evaluation import NeedleSettings, load, run_needle_cli
+    from .evaluation import NeedleSettings, run_needle_cli
 
     settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
                               queries=args.queries, samples=args.samples, seed=args.seed)
     check_context(args.model, max(args.lengths), f"--lengths {' '.join(map(str, args.lengths))}")
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_checked_model(args.model).eval(), load_tokenizer(args.model)
     set_threads(args.threads, model)
     run_needle_cli(model, tokenizer, Path(args.model).name, settings, args.output)
 

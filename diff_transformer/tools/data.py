@@ -1,12 +1,13 @@
 """Training data that needs no download: a synthetic key/value retrieval task, and plain text files."""
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerFast
+
+from diff_transformer_cli import read_json, read_text_file  # torch-free: the CLI checks files with them
 
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
@@ -49,7 +50,7 @@ class KeyValueTask:
 
 def encode_example(tokenizer: PreTrainedTokenizerFast, prompt: str, answer: str | None = None) -> list[int]:
     """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer`) or is prompted
-    (`answer=None`: `<s> prompt`); generation stops at the folder's `max_length`, the training length. No `</s>`
+    (`answer=None`: `<s> prompt`); the closing demo of `train` generates as many tokens as the answer has. No `</s>`
     after the answer: the README's default run learns less reliably with it (benchmarks/RESULTS.md). A tokenizer
     with a chat template formats it as a user turn and an assistant turn, exactly as `apply_chat_template` (and so
     `pipeline` with chat messages) does at inference."""
@@ -80,30 +81,6 @@ def task_dataset(task: KeyValueTask, tokenizer: PreTrainedTokenizerFast, count: 
     return TokenBlocks([encode_example(tokenizer, *task.example(rng)) for _ in range(count)])
 
 
-def read_text_file(path: str | Path) -> str:
-    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing or not UTF-8 text."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
-        ) from None
-
-
-def read_json(path: Path) -> dict:
-    """The JSON object in `path`; `ValueError` naming the file and the position of the error when it is not one."""
-    try:
-        value = json.loads(read_text_file(path))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
-    return value
-
-
 def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, block_size: int) -> TokenBlocks:
     """Tokenize a whole text file and cut it into blocks of `<s>` and `block_size - 1` tokens (the tail is dropped):
     every training sequence starts as the tokenizer starts every text."""
@@ -111,7 +88,9 @@ def text_file_dataset(path: str | Path, tokenizer: PreTrainedTokenizerFast, bloc
     ids = tokenizer(read_text_file(path), add_special_tokens=False, verbose=False)["input_ids"]
     step = block_size - 1
     if len(ids) < step:
-        raise ValueError(f"{path} has {len(ids)} tokens, fewer than one block of {block_size}; use --block-size")
+        raise ValueError(f"{path} has {len(ids)} tokens, fewer than the {step} of one block of {block_size} (a block "
+                         f"starts with <s>); give a longer text, or a block size of at most {len(ids) + 1} "
+                         "(--block-size)")
     bos = [tokenizer.bos_token_id]
     return TokenBlocks([bos + ids[i : i + step] for i in range(0, len(ids) - step + 1, step)])
 

@@ -34,6 +34,9 @@ from .. import (
 from ..folder_defaults import generation_defaults
 from .data import read_json
 
+# Files Python's pickle writes (weights of old checkpoints, Trainer's training_args.bin, optimizer states): loading
+# one runs code its author chose. The upload leaves them out; the model's weights must be safetensors.
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 AUTO_CLASSES = (
@@ -64,10 +67,20 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
         raise UploadError(f"{model_dir} has no config.json: save the model with model.save_pretrained({model_dir})")
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise UploadError(f"{model_dir} has no tokenizer: save it with tokenizer.save_pretrained({model_dir})")
+    if not any(model_dir.glob("*.safetensors")):
+        pickled = pickled_files(model_dir)
+        held = f" (only the pickled {', '.join(pickled)}, which run code when loaded)" if pickled else ""
+        raise UploadError(f"{model_dir} has no safetensors weights{held}; load the model and save it again with "
+                          f"model.save_pretrained({str(model_dir)!r}), which writes model.safetensors")
     config = read_json(model_dir / "config.json")
     if config.get("model_type") != DiffConfig.model_type:
         raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
     return config
+
+
+def pickled_files(model_dir: Path) -> list[str]:
+    """Names of the folder's pickled files (`PICKLED`), which the upload leaves out."""
+    return sorted({path.name for pattern in PICKLED for path in model_dir.glob(pattern)})
 
 
 def auto_map() -> dict[str, str]:
@@ -247,7 +260,8 @@ def require_token() -> str:
 def upload(model_dir: Path, repo_id: str, private: bool, token: str) -> str:
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, commit_message="Upload DIFF Transformer")
+    commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, commit_message="Upload DIFF Transformer",
+                               ignore_patterns=list(PICKLED))
     return commit.commit_url
 
 
@@ -274,6 +288,10 @@ def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license
     model_dir = model_dir.resolve()  # the check runs in another working directory
     checked = prepare(model_dir, repo_id, config, license)
     print(f"wrote {model_dir / 'README.md'} and the model code; {checked}")
+    left_out = pickled_files(model_dir)
+    if left_out:
+        print(f"diff-transformer upload: warning: not uploading {', '.join(left_out)}: pickled files run code when "
+              "loaded, and the model needs none of them (its weights are safetensors)", file=sys.stderr)
     if dry_run:
         print(f"dry run: not uploading to {repo_id}")
         return

@@ -2,6 +2,7 @@
 word-level vocabulary for synthetic tasks. Both return a standard `PreTrainedTokenizerFast` (saved as transformers'
 built-in `TokenizersBackend`, no custom code) that puts `<s>` before every text, as the models are trained."""
 
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def train_bpe_tokenizer(
         min_frequency=min_frequency,
         special_tokens=[*SPECIAL_TOKENS.values(), *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),  # a bar redrawn in place floods a log file
     )
     if files:
         train_on_files(tokenizer, files, trainer)
@@ -111,4 +113,34 @@ def build_word_tokenizer(
     return _wrap(tokenizer, chat_template, model_max_length, extra_special_tokens)
 
 
-__all__ = ["train_bpe_tokenizer", "build_word_tokenizer", "SPECIAL_TOKENS", "CHAT_TOKENS", "CHAT_TEMPLATE"]
+def unknown_words(tokenizer: PreTrainedTokenizerFast, text: str) -> list[str]:
+    """The pieces of `text` the tokenizer reads as its unknown token (once each, in order): words outside a
+    word-level vocabulary, characters a BPE without byte fallback never saw. Empty for a byte-level BPE."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    pieces = (text[start:end] for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"])
+              if token == unk)
+    return list(dict.fromkeys(piece.strip() for piece in pieces if piece.strip() != tokenizer.unk_token))
+
+
+def check_known_words(tokenizer: PreTrainedTokenizerFast, text: str, what: str, folder: str | None = None) -> None:
+    """`ValueError` naming the words of `text` (`what`: "the prompt", "--prompt") the tokenizer does not know: the
+    model would read each as one unknown token and answer something else, without a word said."""
+    unknown = unknown_words(tokenizer, text)
+    if unknown:
+        whose = f"the tokenizer of {folder}" if folder else "the tokenizer"
+        raise ValueError(f"{what} has words {whose} does not know: {', '.join(map(repr, unknown))} (each would be "
+                         f"read as {tokenizer.unk_token}); leave them out, or use words of its vocabulary")
+
+
+__all__ = [
+    "train_bpe_tokenizer",
+    "build_word_tokenizer",
+    "unknown_words",
+    "check_known_words",
+    "SPECIAL_TOKENS",
+    "CHAT_TOKENS",
+    "CHAT_TEMPLATE",
+]
