@@ -49,22 +49,32 @@ def check_model_type(config_dict: dict, source: str | os.PathLike) -> None:
         )
 
 
+def rope_parameter_sets(config_dict: dict) -> list[tuple[str, dict]]:
+    """(where, parameters) of each RoPE parameter set of a config dict: `rope_parameters` (one set, or one per layer
+    type) and the older `rope_scaling`."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config_dict.get(key)
+        if not isinstance(value, dict):
+            continue
+        nested = value and all(isinstance(inner, dict) for inner in value.values())
+        found += [(f"{key}.{name}.", inner) for name, inner in value.items()] if nested else [(f"{key}.", value)]
+    return found
+
+
 def unsupported_fields(config_dict: dict) -> list[str]:
     """Fields of a config (as a dict: a config.json's or a constructor's keywords) that the DIFF model does not
     implement although Llama-family code acts on them, each as "name=value (what the model does instead)": a
-    `sliding_window`, and a `partial_rotary_factor` other than 1 (top level, or in `rope_parameters` /
-    `rope_scaling`). transformers' model would ignore them and vLLM's apply them, so they are refused rather than
-    kept. Empty when there is none."""
+    `sliding_window` (0 means none, as vLLM reads it), and a `partial_rotary_factor` other than 1 (top level, or in
+    any RoPE parameter set). transformers' model would ignore them and vLLM's apply them, so they are refused rather
+    than kept. Empty when there is none."""
     found = []
-    if config_dict.get("sliding_window") is not None:
+    if config_dict.get("sliding_window") not in (None, 0):
         found.append(f"sliding_window={config_dict['sliding_window']!r} (the model attends to the whole context)")
-    factors = {"partial_rotary_factor": config_dict.get("partial_rotary_factor")}
-    for name in ("rope_parameters", "rope_scaling"):
-        if isinstance(config_dict.get(name), dict):
-            factors[f"{name}.partial_rotary_factor"] = config_dict[name].get("partial_rotary_factor")
-    for name, factor in factors.items():
-        if factor is not None and factor != 1:
-            found.append(f"{name}={factor!r} (the model rotates every dimension of a head)")
+    for where, params in [("", config_dict), *rope_parameter_sets(config_dict)]:
+        factor = params.get("partial_rotary_factor")
+        if factor not in (None, 1, 1.0):
+            found.append(f"{where}partial_rotary_factor={factor!r} (the model rotates every dimension of a head)")
     return found
 
 

@@ -1,6 +1,8 @@
 """Head widths of the vLLM mapping of a DIFF Transformer (arXiv 2410.05258) config, and the checks that refuse what
 would serve wrong tokens. Needs no vLLM, so `diff-transformer serve` checks a folder before it starts a server."""
 
+from ..configuration_diff import rope_parameter_sets, unsupported_fields
+
 # The head sizes vLLM 0.32's CPU attention (CPU_ATTN) computes; it takes no other and ignores `head_size_v`.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # What was verified (tests/vllm): one process. Tensor and pipeline parallelism are refused until tested.
@@ -61,30 +63,12 @@ def kv_bytes_per_token(config, widths: dict[str, int]) -> dict[str, int]:
     return {kind: 2 * heads[kind] * widths[kind] for kind in set(config.attention_types)}
 
 
-def rope_parameter_sets(fields: dict) -> list[tuple[str, dict]]:
-    """(where, parameters) of each RoPE parameter set in config.json: `rope_parameters` (one set, or one per layer
-    type) and the older `rope_scaling`."""
-    found = []
-    for key in ("rope_parameters", "rope_scaling"):
-        value = fields.get(key)
-        if not isinstance(value, dict):
-            continue
-        nested = value and all(isinstance(inner, dict) for inner in value.values())
-        found += [(f"{key}.{name}.", inner) for name, inner in value.items()] if nested else [(f"{key}.", value)]
-    return found
-
-
 def unimplemented_fields(fields: dict) -> list[str]:
-    """The config.json fields (`fields`: the file's dict) that vLLM would apply and transformers' DIFF model does
-    not implement, so that vLLM would answer with other tokens than transformers, without an error: a sliding window
-    (vLLM masks keys past it; the DIFF model attends globally), a RoPE `partial_rotary_factor` below 1 (vLLM
-    rotates that fraction of each head; the DIFF model rotates all of it) and `longrope` (see below)."""
-    found = []
-    if fields.get("sliding_window") not in (None, 0):  # vLLM reads 0 as no window
-        found.append(f"sliding_window={fields['sliding_window']}")
-    factors = [("", fields)] + rope_parameter_sets(fields)
-    found += [f"{where}partial_rotary_factor={params['partial_rotary_factor']}" for where, params in factors
-              if params.get("partial_rotary_factor") not in (None, 1, 1.0)]
+    """The config.json fields (`fields`: the file's dict) that vLLM would apply other than transformers' DIFF model,
+    so that vLLM would answer with other tokens, without an error: those the model does not implement
+    (`unsupported_fields`: a sliding window, which vLLM masks and the model does not; a RoPE `partial_rotary_factor`
+    below 1, which vLLM applies and the model does not) and `longrope` (see below)."""
+    found = [field.split(" (")[0] for field in unsupported_fields(fields)]
     # longrope: vLLM switches a whole batch to the long factors when any request in it is past the original context
     # (a short prompt batched with a long one gets other tokens); transformers decides per sequence
     found += [f"{where}rope_type=longrope" for where, params in rope_parameter_sets(fields)
