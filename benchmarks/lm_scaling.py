@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 CORPUS = dict(name="Django", version="5.1.4", file="Django-5.1.4.tar.gz",
-              sha256="de450c09e91879fa5a307f696e57c851955c910a438a35e6b4c895e86bedc82a", license="BSD-3-Clause")
+              sha256="de450c09e91879fa5a307f696e57c851955c910a438a35e6b4c895e86bedc82a", license="BSD-3-Clause",
+              content_sha256="d28be51635835ea46eb15b20c18a3608711d9f2db0ee43ff4f42cfe35e05f05d")
 FETCH = "pip download --no-deps --no-binary :all: -d {dir} Django==5.1.4"
 MODELS = ("DIFF", "Llama")
 DEFAULT_DIR = Path(__file__).parent / "lm_scaling"
@@ -275,13 +276,31 @@ def analyse(curves: dict, skip: int, samples: int = BOOTSTRAP, seed: int = 0) ->
                         "infinite_share": sum(map(math.isinf, boot[key])) / samples} for key in boot},
         "interpolated_ratio": interpolated_ratio(curves),
         "final": {m: {"per_seed": finals[m], "mean": float(np.mean(finals[m])), "sd": sd(finals[m])} for m in MODELS},
-        "gap": {"per_seed": gaps, "mean": float(np.mean(gaps)), "sd": sd(gaps)},
+        "gap": {"per_seed": gaps, "mean": float(np.mean(gaps)), "sd": sd(gaps), "t90": t_interval(gaps)},
     }
+
+
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}  # t_0.95 by dof
+
+
+def t_interval(values: list[float]) -> list[float] | None:
+    """The two-sided 90% Student-t interval of the mean (None for a single value)."""
+    if len(values) < 2:
+        return None
+    half = T95.get(len(values) - 1, 1.645) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
+    return [float(np.mean(values)) - half, float(np.mean(values)) + half]
 
 
 # ---------------------------------------------------------------------------------------------------------- report
 def fmt_ratio(value: float) -> str:
     return "never (beyond the fit's floor)" if math.isinf(value) else f"{value:.2f}"
+
+
+def verdict(covers: bool, diff_better: bool, better: str, worse: str) -> str:
+    """What an interval says: nothing (it covers no-difference), or which way."""
+    if covers:
+        return "no difference detectable at this scale"
+    return better if diff_better else worse
 
 
 def render(results: dict) -> str:
@@ -335,15 +354,21 @@ def render(results: dict) -> str:
     lines += [
         "",
         f"- Final validation-loss gap DIFF - Llama per seed: {', '.join(f'{g:+.4f}' for g in gap['per_seed'])}; "
-        f"mean {gap['mean']:+.4f} +- {gap['sd']:.4f} (sd over {len(gap['per_seed'])} paired seeds) nats.",
+        f"mean {gap['mean']:+.4f} +- {gap['sd']:.4f} (sd over {len(gap['per_seed'])} paired seeds) nats"
+        + (f", 90% t interval of the mean [{gap['t90'][0]:+.4f}, {gap['t90'][1]:+.4f}]: "
+           + verdict(gap["t90"][0] < 0 < gap["t90"][1], gap["mean"] < 0, "DIFF lower", "DIFF higher") if gap["t90"] else "") + ".",
         f"- Token ratio at matched loss (tokens DIFF needs to reach Llama's fitted loss at {tokens:,} tokens, over "
         f"{tokens:,}): {fmt_ratio(ratio['estimate'])}, 90% bootstrap interval over seeds "
-        f"[{fmt_ratio(ratio['p05'])}, {fmt_ratio(ratio['p95'])}] (paper, 3B models: ~{PAPER_RATIO}).",
+        f"[{fmt_ratio(ratio['p05'])}, {fmt_ratio(ratio['p95'])}]: "
+        f"{verdict(ratio['p05'] < 1 < ratio['p95'], ratio['estimate'] < 1, 'DIFF needs fewer tokens', 'DIFF needs more tokens')} (paper, 3B models: ~{PAPER_RATIO}).",
         f"- The other way round (tokens Llama needs to reach DIFF's fitted final loss, over {tokens:,}): "
         f"{fmt_ratio(inverse['estimate'])}, 90% interval [{fmt_ratio(inverse['p05'])}, {fmt_ratio(inverse['p95'])}] "
         f"(paper: ~{1 / PAPER_RATIO:.2f}).",
         "- Without a fit (DIFF's mean curve, interpolated in log T, crossing Llama's mean final loss): "
         + (f"{interp:.2f}." if interp is not None else "no crossing within the measured range."),
+        "- Training time per run on one CPU core (one thread, evaluations included): "
+        + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
+        + ".",
         "",
         "## Validation loss along training (mean over seeds)",
         "",
@@ -402,6 +427,8 @@ def plot(results: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------------------------------------- main
 def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
     data = corpus_bytes(corpus_archive(corpus_dir, fetch=True))
+    if hashlib.sha256(data).hexdigest() != CORPUS["content_sha256"]:
+        sys.exit("the extracted corpus differs from the pinned one (content sha256); the extraction is not reproducible")
     corpus = {k: CORPUS[k] for k in ("name", "version", "file", "sha256", "license")}
     corpus |= {"bytes": len(data), "content_sha256": hashlib.sha256(data).hexdigest()}
     train, val = blocks(data, cfg["context"], cfg["val_blocks"])

@@ -74,6 +74,8 @@ def test_final_gap_per_seed_mean_and_sd():
     assert stats["gap"]["per_seed"] == pytest.approx([0.0, 0.1, 0.3])
     assert stats["gap"]["mean"] == pytest.approx(0.4 / 3)
     assert stats["gap"]["sd"] == pytest.approx(np.std([0.0, 0.1, 0.3], ddof=1))
+    half = 2.920 * np.std([0.0, 0.1, 0.3], ddof=1) / math.sqrt(3)  # t_0.95 with 2 degrees of freedom
+    assert stats["gap"]["t90"] == pytest.approx([0.4 / 3 - half, 0.4 / 3 + half])
     assert stats["final"]["Llama"]["sd"] == pytest.approx(0.0, abs=1e-12)
 
 
@@ -92,7 +94,7 @@ def test_eval_steps_are_log_spaced_and_end_at_the_last_step():
 
 
 def fake_results() -> dict:
-    cfg = dict(lm_scaling.FULL, steps=len(TOKENS), seeds=[0, 1, 2])
+    cfg = dict(lm_scaling.FULL, steps=len(TOKENS), seeds=[0, 1, 2], lrs=[2e-3, 4e-3, 8e-3])
     offsets = {"DIFF": (0.01, -0.02, 0.0), "Llama": (0.0, 0.01, -0.01)}
     main = {m: {str(s): {"curve": law(1.5, 0.5 if m == "Llama" else 0.45, 0.3, offsets[m][s]), "seconds": 1.0}
                 for s in cfg["seeds"]} for m in lm_scaling.MODELS}
@@ -100,7 +102,7 @@ def fake_results() -> dict:
              for m in lm_scaling.MODELS}
     corpus = dict(name="Django", version="5.1.4", file="x", sha256="0" * 64, license="BSD-3-Clause",
                   bytes=11_471_364, content_sha256="1" * 64)
-    return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False, "lr": {"DIFF": 3e-3, "Llama": 6e-3}, "fit_skip": 1,
+    return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False, "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
             "parameters": {"DIFF": 468_384, "Llama": 467_808}, "runs": {"sweep": sweep, "main": main}}
 
 
@@ -108,8 +110,8 @@ def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
     results = fake_results()
     first = lm_scaling.render(results)
     assert first == lm_scaling.render(json.loads(json.dumps(results)))
-    assert "| DIFF | 468,384 | 0.003 |" in first and "| Llama | 467,808 | 0.006 |" in first
-    assert "edge of the range for Llama" in first  # 6e-3 is the sweep's largest
+    assert "| DIFF | 468,384 | 0.004 |" in first and "| Llama | 467,808 | 0.008 |" in first
+    assert "edge of the range for Llama." in first  # 8e-3 is the sweep's largest, 4e-3 inside
     (tmp_path / "results.json").write_text(json.dumps(results))
     monkeypatch.setattr(sys, "argv", ["lm_scaling.py", "--from-saved", "--output-dir", str(tmp_path)])
     lm_scaling.main()
