@@ -57,7 +57,7 @@ PAPER_RATIO = 0.64  # Figure 3b: DIFF matches the Transformer's loss with ~63.7%
 
 # ----------------------------------------------------------------------------------------------------------- corpus
 def corpus_archive(corpus_dir: Path, fetch: bool) -> Path:
-    """The pinned release archive in `corpus_dir`, downloaded there with pip when missing (and `fetch`), hash-checked."""
+    """The pinned release archive in `corpus_dir`, fetched there with pip when missing (and `fetch`), hash-checked."""
     path = corpus_dir / CORPUS["file"]
     command = FETCH.format(dir=corpus_dir)
     if not path.is_file() and fetch:
@@ -350,17 +350,21 @@ def render(results: dict) -> str:
                      + f" | {final['mean']:.4f} +- {final['sd']:.4f} | "
                        f"{fit['E']:.3f} + {fit['A']:.3f} (T/1M)^-{fit['alpha']:.3f} (rmse {fit['rmse']:.4f}) |")
     gap, ratio, inverse = stats["gap"], stats["ratio"]["diff_over_llama"], stats["ratio"]["llama_over_diff"]
+    gap_says = verdict(gap["t90"][0] < 0 < gap["t90"][1], gap["mean"] < 0, "DIFF lower", "DIFF higher") \
+        if gap["t90"] else ""
+    ratio_says = verdict(ratio["p05"] < 1 < ratio["p95"], ratio["estimate"] < 1, "DIFF needs fewer tokens",
+                         "DIFF needs more tokens")
     interp = stats["interpolated_ratio"]
     lines += [
         "",
         f"- Final validation-loss gap DIFF - Llama per seed: {', '.join(f'{g:+.4f}' for g in gap['per_seed'])}; "
         f"mean {gap['mean']:+.4f} +- {gap['sd']:.4f} (sd over {len(gap['per_seed'])} paired seeds) nats"
-        + (f", 90% t interval of the mean [{gap['t90'][0]:+.4f}, {gap['t90'][1]:+.4f}]: "
-           + verdict(gap["t90"][0] < 0 < gap["t90"][1], gap["mean"] < 0, "DIFF lower", "DIFF higher") if gap["t90"] else "") + ".",
+        + (f", 90% t interval of the mean [{gap['t90'][0]:+.4f}, {gap['t90'][1]:+.4f}]: {gap_says}"
+           if gap["t90"] else "") + ".",
         f"- Token ratio at matched loss (tokens DIFF needs to reach Llama's fitted loss at {tokens:,} tokens, over "
         f"{tokens:,}): {fmt_ratio(ratio['estimate'])}, 90% bootstrap interval over seeds "
         f"[{fmt_ratio(ratio['p05'])}, {fmt_ratio(ratio['p95'])}]: "
-        f"{verdict(ratio['p05'] < 1 < ratio['p95'], ratio['estimate'] < 1, 'DIFF needs fewer tokens', 'DIFF needs more tokens')} (paper, 3B models: ~{PAPER_RATIO}).",
+        f"{ratio_says} (paper, 3B models: ~{PAPER_RATIO}).",
         f"- The other way round (tokens Llama needs to reach DIFF's fitted final loss, over {tokens:,}): "
         f"{fmt_ratio(inverse['estimate'])}, 90% interval [{fmt_ratio(inverse['p05'])}, {fmt_ratio(inverse['p95'])}] "
         f"(paper: ~{1 / PAPER_RATIO:.2f}).",
@@ -428,7 +432,7 @@ def plot(results: dict, path: Path) -> None:
 def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
     data = corpus_bytes(corpus_archive(corpus_dir, fetch=True))
     if hashlib.sha256(data).hexdigest() != CORPUS["content_sha256"]:
-        sys.exit("the extracted corpus differs from the pinned one (content sha256); the extraction is not reproducible")
+        sys.exit("the extracted corpus differs from the pinned one (content sha256): extraction is not reproducible")
     corpus = {k: CORPUS[k] for k in ("name", "version", "file", "sha256", "license")}
     corpus |= {"bytes": len(data), "content_sha256": hashlib.sha256(data).hexdigest()}
     train, val = blocks(data, cfg["context"], cfg["val_blocks"])
@@ -455,8 +459,10 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--output-dir", type=Path, default=None, help=f"default {DEFAULT_DIR} (quick: /tmp/lm_scaling_quick)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help=f"default {DEFAULT_DIR} (quick: /tmp/lm_scaling_quick)")
     parser.add_argument("--corpus-dir", type=Path, default=Path.home() / ".cache" / "diff-transformer" / "corpus",
                         help="where the release archive is (fetched there with pip when missing)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, about a minute")

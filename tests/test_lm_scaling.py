@@ -22,7 +22,8 @@ TOKENS = [int(t) for t in np.geomspace(25_000, 800_000, 10)]
 def law(e: float, a: float, alpha: float, offset: float = 0.0) -> list[dict]:
     """A curve exactly on L(T) = E + A (T/1M)^-alpha (+ offset), with the train loss 0.1 above."""
     val = [e + offset + a * (t / 1e6) ** -alpha for t in TOKENS]
-    return [{"step": i + 1, "tokens": t, "val_loss": v, "train_loss": v + 0.1} for i, (t, v) in enumerate(zip(TOKENS, val))]
+    return [{"step": i + 1, "tokens": t, "val_loss": v, "train_loss": v + 0.1}
+            for i, (t, v) in enumerate(zip(TOKENS, val))]
 
 
 def test_fit_recovers_known_parameters():
@@ -102,7 +103,8 @@ def fake_results() -> dict:
              for m in lm_scaling.MODELS}
     corpus = dict(name="Django", version="5.1.4", file="x", sha256="0" * 64, license="BSD-3-Clause",
                   bytes=11_471_364, content_sha256="1" * 64)
-    return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False, "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
+    return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False,
+            "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
             "parameters": {"DIFF": 468_384, "Llama": 467_808}, "runs": {"sweep": sweep, "main": main}}
 
 
