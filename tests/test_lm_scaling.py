@@ -124,3 +124,18 @@ def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
 def test_missing_corpus_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match=r"pip download --no-deps --no-binary :all: -d .* Django==5\.1\.4"):
         lm_scaling.corpus_archive(tmp_path, fetch=False)
+
+
+def test_runs_are_stored_once_per_settings_and_corpus(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"curve": law(1.5, 0.5, 0.3), "seconds": 1.0}
+
+    settings = {"model": "DIFF", "lr": 4e-3, "seed": 0, "steps": 10, "corpus": "a" * 64}
+    first = lm_scaling.cached_run(tmp_path, settings, compute)
+    assert lm_scaling.cached_run(tmp_path, dict(settings), compute) == first and len(calls) == 1
+    lm_scaling.cached_run(tmp_path, dict(settings, corpus="b" * 64), compute)  # other corpus content: another run
+    assert len(calls) == 2
+    assert sorted(p.suffix for p in (tmp_path / "runs").iterdir()) == [".json", ".json"]  # no temporary file left
