@@ -406,6 +406,7 @@ def render(results: dict) -> str:
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -418,8 +419,13 @@ def plot(results: dict, path: Path) -> None:
         for c in curves:
             ax.plot([p["tokens"] for p in c], [p["val_loss"] for p in c], color=color, alpha=0.3, lw=0.8)
         tokens, mean = mean_curve(curves, "val_loss")
-        ax.plot(tokens, mean, "o-", color=color, label=f"{m} ({results['parameters'][m]:,} params)")
+        ax.plot(tokens, mean, "o", color=color, label=f"{m} ({results['parameters'][m]:,} params), mean")
+        fit = fit_power_law(tokens[results["fit_skip"]:], mean[results["fit_skip"]:])
+        grid = np.geomspace(tokens[results["fit_skip"]], tokens[-1], 100)
+        ax.plot(grid, [fitted_loss(fit, t) for t in grid], "--", color=color, lw=1,
+                label=f"fit {fit['E']:.2f} + {fit['A']:.2f} (T/1M)^-{fit['alpha']:.2f}")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (nats / byte)")
     ax.legend()
@@ -477,6 +483,7 @@ def main() -> None:
         if not path.is_file():
             sys.exit(f"no {path}; run `python benchmarks/lm_scaling.py` first (or give --output-dir)")
         results = json.loads(path.read_text())
+        plot(results, out / "loss.png")
     else:
         torch.set_num_threads(args.threads)
         cfg = dict(QUICK if args.quick else FULL)
