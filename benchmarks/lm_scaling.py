@@ -48,7 +48,7 @@ FETCH = "pip download --no-deps --no-binary :all: -d {dir} Django==5.1.4"
 MODELS = ("DIFF", "Llama")
 DEFAULT_DIR = Path(__file__).parent / "lm_scaling"
 FULL = dict(hidden=96, layers=4, head_dim=24, context=256, batch=8, steps=400, seeds=[0, 1, 2, 3],
-            lrs=[2e-3, 4e-3, 8e-3], sweep_fraction=0.25, points=10, val_blocks=64, warmup=0.05)
+            lrs=[2e-3, 4e-3, 8e-3, 1.6e-2], sweep_fraction=0.25, points=10, val_blocks=64, warmup=0.05)
 QUICK = dict(hidden=32, layers=2, head_dim=8, context=64, batch=4, steps=24, seeds=[0, 1, 2],
              lrs=[3e-3, 6e-3], sweep_fraction=0.5, points=5, val_blocks=8, warmup=0.1)
 BOOTSTRAP = 2000
