@@ -303,6 +303,19 @@ def verdict(covers: bool, diff_better: bool, better: str, worse: str) -> str:
     return better if diff_better else worse
 
 
+def cross_line(results: dict) -> list[str]:
+    """The learning-rate check: each model at the other model's learning rate, first seed, full budget."""
+    runs, seed = results["runs"], str(results["config"]["seeds"][0])
+    if "cross" not in runs:
+        return []
+    cells = []
+    for m, other in zip(MODELS, reversed(MODELS)):
+        own, swapped = runs["main"][m][seed]["curve"][-1]["val_loss"], runs["cross"][m]["curve"][-1]["val_loss"]
+        cells.append(f"{m} at {results['lr'][other]:g}: {swapped:.4f} (at its own {results['lr'][m]:g}: {own:.4f})")
+    return [f"- Each model at the other's learning rate (seed {seed}, full budget), final validation loss: "
+            + "; ".join(cells) + "."]
+
+
 def render(results: dict) -> str:
     """report.md, a pure function of results.json."""
     cfg, corpus, runs = results["config"], results["corpus"], results["runs"]
@@ -370,6 +383,7 @@ def render(results: dict) -> str:
         f"(paper: ~{1 / PAPER_RATIO:.2f}).",
         "- Without a fit (DIFF's mean curve, interpolated in log T, crossing Llama's mean final loss): "
         + (f"{interp:.2f}." if interp is not None else "no crossing within the measured range."),
+        *cross_line(results),
         "- Training time per run on one CPU core (one thread, evaluations included): "
         + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
         + ".",
@@ -460,8 +474,12 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
         for m in MODELS:
             main[m][str(seed)] = run(m, lr[m], seed, cfg["steps"])
     skip = sum(s <= round(cfg["warmup"] * cfg["steps"]) for s in eval_steps(cfg["steps"], cfg["points"]))
+    # a check on the choice of learning rate: each model at the other's, first seed, full budget
+    other = {"DIFF": lr["Llama"], "Llama": lr["DIFF"]}
+    cross = {m: run(m, other[m], cfg["seeds"][0], cfg["steps"]) for m in MODELS}
     return {"config": cfg, "corpus": corpus, "quick": quick, "lr": lr, "fit_skip": skip,
-            "parameters": {m: parameter_count(m, cfg) for m in MODELS}, "runs": {"sweep": sweep, "main": main}}
+            "parameters": {m: parameter_count(m, cfg) for m in MODELS},
+            "runs": {"sweep": sweep, "main": main, "cross": cross}}
 
 
 def main() -> None:

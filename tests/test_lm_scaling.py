@@ -105,7 +105,8 @@ def fake_results() -> dict:
                   bytes=11_471_364, content_sha256="1" * 64)
     return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False,
             "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
-            "parameters": {"DIFF": 468_384, "Llama": 467_808}, "runs": {"sweep": sweep, "main": main}}
+            "parameters": {"DIFF": 468_384, "Llama": 467_808},
+            "runs": {"sweep": sweep, "main": main, "cross": {m: main[m]["0"] for m in lm_scaling.MODELS}}}
 
 
 def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
@@ -113,6 +114,8 @@ def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
     first = lm_scaling.render(results)
     assert first == lm_scaling.render(json.loads(json.dumps(results)))
     assert "| DIFF | 468,384 | 0.004 |" in first and "| Llama | 467,808 | 0.008 |" in first
+    # final losses by hand: 1.5 + 0.01 + 0.45 * 0.8^-0.3 = 1.9912 and 1.5 + 0.5 * 0.8^-0.3 = 2.0346
+    assert "DIFF at 0.008: 1.9912 (at its own 0.004: 1.9912); Llama at 0.004: 2.0346" in first
     assert "edge of the range for Llama." in first  # 8e-3 is the sweep's largest, 4e-3 inside
     (tmp_path / "results.json").write_text(json.dumps(results))
     monkeypatch.setattr(sys, "argv", ["lm_scaling.py", "--from-saved", "--output-dir", str(tmp_path)])
