@@ -410,6 +410,11 @@ def render(results: dict) -> str:
         "are along single runs whose learning rate decays linearly to the end, not separate runs per token count, "
         "so the last point includes the annealing drop. The ratio beyond the measured range is an extrapolation of "
         "the fit.",
+        *[f"- {m}'s fitted floor E is at its bound 0: no floor shows within the measured range, the fit is a pure "
+          "power law there." for m in MODELS if stats["fits"][m]["E"] == 0.0],
+        *([f"- A ratio of {ratio['estimate']:.2f} lies beyond the measured range (DIFF's curve extrapolated to "
+           f"{ratio['estimate']:.1f} times the tokens of a run): read it as the direction and rough size only."]
+          if ratio["estimate"] > 1.0 else []),
         f"- The bootstrap resamples {len(gap['per_seed'])} seed pairs ({BOOTSTRAP} draws): with so few seeds the "
         "interval is coarse and, if anything, too narrow.",
         "",
