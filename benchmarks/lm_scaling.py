@@ -47,7 +47,7 @@ CORPUS = dict(name="Django", version="5.1.4", file="Django-5.1.4.tar.gz",
 FETCH = "pip download --no-deps --no-binary :all: -d {dir} Django==5.1.4"
 MODELS = ("DIFF", "Llama")
 DEFAULT_DIR = Path(__file__).parent / "lm_scaling"
-FULL = dict(hidden=96, layers=4, head_dim=24, context=256, batch=8, steps=400, seeds=[0, 1, 2],
+FULL = dict(hidden=96, layers=4, head_dim=24, context=256, batch=8, steps=400, seeds=[0, 1, 2, 3],
             lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2], sweep_fraction=0.25, points=10, val_blocks=64, warmup=0.05)
 QUICK = dict(hidden=32, layers=2, head_dim=8, context=64, batch=4, steps=24, seeds=[0, 1, 2],
              lrs=[3e-3, 6e-3], sweep_fraction=0.5, points=5, val_blocks=8, warmup=0.1)
@@ -498,7 +498,7 @@ def main() -> None:
     parser.add_argument("--from-saved", action="store_true", help="rewrite report.md from results.json, no training")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per main run (overrides the default)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3)")
     args = parser.parse_args()
     out = args.output_dir or (Path("/tmp/lm_scaling_quick") if args.quick else DEFAULT_DIR)
     if args.from_saved:
