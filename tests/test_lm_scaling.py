@@ -1,0 +1,144 @@
+"""The single-epoch LM comparison's arithmetic (benchmarks/lm_scaling.py) on hand-made curves with known E, A, alpha:
+the power-law fit, the token ratio at matched loss, the paired bootstrap, the loss gap, and a report that
+`--from-saved` rewrites byte for byte. No corpus, no training."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_scaling.py"
+spec = importlib.util.spec_from_file_location("lm_scaling", SCRIPT)
+lm_scaling = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lm_scaling)
+
+TOKENS = [int(t) for t in np.geomspace(25_000, 800_000, 10)]
+
+
+def law(e: float, a: float, alpha: float, offset: float = 0.0) -> list[dict]:
+    """A curve exactly on L(T) = E + A (T/1M)^-alpha (+ offset), with the train loss 0.1 above."""
+    val = [e + offset + a * (t / 1e6) ** -alpha for t in TOKENS]
+    return [{"step": i + 1, "tokens": t, "val_loss": v, "train_loss": v + 0.1}
+            for i, (t, v) in enumerate(zip(TOKENS, val))]
+
+
+def test_fit_recovers_known_parameters():
+    for e, a, alpha in [(1.2, 0.8, 0.35), (2.0, 0.05, 1.1), (0.0, 3.0, 0.07)]:
+        curve = law(e, a, alpha)
+        fit = lm_scaling.fit_power_law([p["tokens"] for p in curve], [p["val_loss"] for p in curve])
+        got, want = np.array([fit["E"], fit["A"], fit["alpha"]]), np.array([e, a, alpha])
+        err = np.abs(got - want)
+        assert err.max() < 2e-4, f"fit {got} vs {want}: max diff {err.max():.2e}, mean {err.mean():.2e}"
+        assert fit["rmse"] < 1e-6
+        assert lm_scaling.tokens_for_loss(fit, lm_scaling.fitted_loss(fit, 300_000)) == pytest.approx(300_000, rel=1e-6)
+
+
+def test_fit_keeps_the_floor_non_negative_and_a_falling_curve():
+    curve = law(-0.5, 2.0, 0.2)  # best unconstrained fit has E < 0
+    fit = lm_scaling.fit_power_law([p["tokens"] for p in curve], [p["val_loss"] for p in curve])
+    assert fit["E"] == 0.0 and fit["A"] > 0
+    assert lm_scaling.tokens_for_loss({"E": 2.0, "A": 1.0, "alpha": 0.5}, 1.9) == math.inf
+
+
+def test_token_ratio_is_known_ratio_and_paired_bootstrap_keeps_it():
+    """DIFF with A scaled by r^alpha reaches Llama's end loss at r times the tokens. Per-seed offsets shared by a
+    pair move both mean curves alike, so every paired bootstrap draw gives r exactly; an unpaired one would not."""
+    r, alpha = 0.64, 0.3
+    offsets = [-0.03, 0.0, 0.05]
+    curves = {"DIFF": [law(1.5, 0.5 * r ** alpha, alpha, o) for o in offsets],
+              "Llama": [law(1.5, 0.5, alpha, o) for o in offsets]}
+    stats = lm_scaling.analyse(curves, skip=0, samples=300)
+    ratio, inverse = stats["ratio"]["diff_over_llama"], stats["ratio"]["llama_over_diff"]
+    for key in ("estimate", "p05", "p95"):
+        assert ratio[key] == pytest.approx(r, rel=1e-3), (key, ratio)
+        assert inverse[key] == pytest.approx(1 / r, rel=1e-3), (key, inverse)
+    # the interpolated crossing, in log T on the measured points, is close to r too
+    assert stats["interpolated_ratio"] == pytest.approx(r, rel=0.02)
+
+
+def test_bootstrap_interval_spreads_with_unpaired_noise():
+    r, alpha = 0.64, 0.3
+    curves = {"DIFF": [law(1.5, 0.5 * r ** alpha, alpha, o) for o in (-0.02, 0.0, 0.03)],
+              "Llama": [law(1.5, 0.5, alpha, o) for o in (0.02, 0.01, -0.03)]}
+    ratio = lm_scaling.analyse(curves, skip=0, samples=400)["ratio"]["diff_over_llama"]
+    assert ratio["p05"] < ratio["estimate"] < ratio["p95"], ratio
+    assert ratio["p95"] - ratio["p05"] > 0.1, ratio
+
+
+def test_final_gap_per_seed_mean_and_sd():
+    curves = {"DIFF": [law(1.5, 0.4, 0.3, o) for o in (0.0, 0.1, 0.3)], "Llama": [law(1.5, 0.4, 0.3, 0.0)] * 3}
+    stats = lm_scaling.analyse(curves, skip=0, samples=50)
+    assert stats["gap"]["per_seed"] == pytest.approx([0.0, 0.1, 0.3])
+    assert stats["gap"]["mean"] == pytest.approx(0.4 / 3)
+    assert stats["gap"]["sd"] == pytest.approx(np.std([0.0, 0.1, 0.3], ddof=1))
+    half = 2.920 * np.std([0.0, 0.1, 0.3], ddof=1) / math.sqrt(3)  # t_0.95 with 2 degrees of freedom
+    assert stats["gap"]["t90"] == pytest.approx([0.4 / 3 - half, 0.4 / 3 + half])
+    assert stats["final"]["Llama"]["sd"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_percentile_counts_inf_as_largest():
+    assert lm_scaling.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert lm_scaling.percentile([1.0, 2.0], 50) == pytest.approx(1.5)
+    assert lm_scaling.percentile([1.0, math.inf, math.inf], 95) == math.inf
+    assert lm_scaling.percentile([1.0, 2.0, math.inf], 5) == pytest.approx(1.1)
+
+
+def test_eval_steps_are_log_spaced_and_end_at_the_last_step():
+    steps = lm_scaling.eval_steps(400, 10)
+    assert steps[-1] == 400 and len(steps) == 10 and steps[0] == 12
+    ratios = np.diff(np.log(steps))
+    assert ratios.max() / ratios.min() < 1.5
+
+
+def fake_results() -> dict:
+    cfg = dict(lm_scaling.FULL, steps=len(TOKENS), seeds=[0, 1, 2], lrs=[2e-3, 4e-3, 8e-3])
+    offsets = {"DIFF": (0.01, -0.02, 0.0), "Llama": (0.0, 0.01, -0.01)}
+    main = {m: {str(s): {"curve": law(1.5, 0.5 if m == "Llama" else 0.45, 0.3, offsets[m][s]), "seconds": 1.0}
+                for s in cfg["seeds"]} for m in lm_scaling.MODELS}
+    sweep = {m: {f"{lr:g}": {"curve": law(1.6 + lr, 0.5, 0.3)[:4], "seconds": 1.0} for lr in cfg["lrs"]}
+             for m in lm_scaling.MODELS}
+    corpus = dict(name="Django", version="5.1.4", file="x", sha256="0" * 64, license="BSD-3-Clause",
+                  bytes=11_471_364, content_sha256="1" * 64)
+    return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False,
+            "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
+            "parameters": {"DIFF": 468_384, "Llama": 467_808},
+            "runs": {"sweep": sweep, "main": main, "cross": {m: main[m]["0"] for m in lm_scaling.MODELS}}}
+
+
+def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
+    results = fake_results()
+    first = lm_scaling.render(results)
+    assert first == lm_scaling.render(json.loads(json.dumps(results)))
+    assert "| DIFF | 468,384 | 0.004 |" in first and "| Llama | 467,808 | 0.008 |" in first
+    # final losses by hand: 1.5 + 0.01 + 0.45 * 0.8^-0.3 = 1.9912 and 1.5 + 0.5 * 0.8^-0.3 = 2.0346
+    assert "DIFF at 0.008: 1.9912 (at its own 0.004: 1.9912); Llama at 0.004: 2.0346" in first
+    assert "edge of the range for Llama." in first  # 8e-3 is the sweep's largest, 4e-3 inside
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    monkeypatch.setattr(sys, "argv", ["lm_scaling.py", "--from-saved", "--output-dir", str(tmp_path)])
+    lm_scaling.main()
+    assert (tmp_path / "report.md").read_text() == first
+    assert {p.name for p in tmp_path.iterdir()} <= {"report.md", "results.json", "loss.png"}
+
+
+def test_missing_corpus_names_the_command(tmp_path):
+    with pytest.raises(SystemExit, match=r"pip download --no-deps --no-binary :all: -d .* Django==5\.1\.4"):
+        lm_scaling.corpus_archive(tmp_path, fetch=False)
+
+
+def test_runs_are_stored_once_per_settings_and_corpus(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"curve": law(1.5, 0.5, 0.3), "seconds": 1.0}
+
+    settings = {"model": "DIFF", "lr": 4e-3, "seed": 0, "steps": 10, "corpus": "a" * 64}
+    first = lm_scaling.cached_run(tmp_path, settings, compute)
+    assert lm_scaling.cached_run(tmp_path, dict(settings), compute) == first and len(calls) == 1
+    lm_scaling.cached_run(tmp_path, dict(settings, corpus="b" * 64), compute)  # other corpus content: another run
+    assert len(calls) == 2
+    assert sorted(p.suffix for p in (tmp_path / "runs").iterdir()) == [".json", ".json"]  # no temporary file left
