@@ -12,6 +12,7 @@ the same thing; `PAPER` holds them.
 """
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "docs/evaluation.md")
+DOCUMENTS = ("README.md", "docs/evaluation.md", "benchmarks/RESULTS.md")
 PAPER_SMALL = Path("benchmarks/paper_small")
 MODELS = ("DIFF", "DiffLlama", "Transformer")
 SHOWN = {"DIFF": "DIFF", "DiffLlama": "DiffLlama", "Transformer": "Llama (Transformer)"}
@@ -222,7 +223,40 @@ def paper_small_retrieval(root: Path) -> str:
     return "\n".join(per_run(root, title, runs, columns))
 
 
+def lm_scaling(root: Path) -> str:
+    """The single-epoch comparison (benchmarks/lm_scaling.py) from its results.json, with its own analysis code."""
+    spec = importlib.util.spec_from_file_location("lm_scaling", root / "benchmarks" / "lm_scaling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = json.loads((root / "benchmarks" / "lm_scaling" / "results.json").read_text())
+    cfg, runs = results["config"], results["runs"]
+    curves = {m: [runs["main"][m][str(seed)]["curve"] for seed in cfg["seeds"]] for m in module.MODELS}
+    stats = module.analyse(curves, results["fit_skip"])
+    tokens = curves["DIFF"][0][-1]["tokens"]
+    seeds = ", ".join(str(seed) for seed in cfg["seeds"])
+    lines = [f"One pass over {tokens:,} byte tokens of {results['corpus']['name']} {results['corpus']['version']}'s "
+             f"source release, seeds {seeds} paired, learning rate swept per model:", "",
+             "| model | parameters | learning rate | final validation loss | elsewhere, same measurement |",
+             "|---|---|---|---|---|"]
+    for name in module.MODELS:
+        final = stats["final"][name]
+        per_seed = ", ".join(f"{value:.3f}" for value in final["per_seed"])
+        lines.append(f"| {name} | {results['parameters'][name]:,} | {results['lr'][name]:g} | "
+                     f"{final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
+    gap, ratio = stats["gap"], stats["ratio"]["diff_over_llama"]
+    low, high = gap["t90"]
+    lines.append(f"| DIFF - Llama | | | {gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval [{low:+.3f}, "
+                 f"{high:+.3f}] | -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent "
+                 "replication) |")
+    lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's | | | "
+                 f"{module.fmt_ratio(ratio['estimate'])}, "
+                 f"90% interval [{module.fmt_ratio(ratio['p05'])}, {module.fmt_ratio(ratio['p95'])}] "
+                 "(extrapolated fit) | ~0.64 (the paper, Figure 3, 830M-13B parameters) |")
+    return "\n".join(lines)
+
+
 SECTIONS: dict[str, Callable[[Path], str]] = {
+    "lm-scaling": lm_scaling,
     "paper-small-readme": paper_small_readme,
     "paper-small-text": paper_small_text,
     "paper-small-retrieval": paper_small_retrieval,

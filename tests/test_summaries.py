@@ -27,10 +27,12 @@ def summaries():
 
 def copy_tree(tmp_path: Path) -> Path:
     """The documents and the stored results, in a scratch root the test may change."""
-    for document in ("README.md", "docs/evaluation.md"):
+    stored = [*(ROOT / "benchmarks" / "paper_small").glob("*/results.json"), ROOT / "benchmarks" / "lm_scaling.py",
+              ROOT / "benchmarks" / "lm_scaling" / "results.json"]
+    for document in ("README.md", "docs/evaluation.md", "benchmarks/RESULTS.md"):
         (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / document, tmp_path / document)
-    for results in (ROOT / "benchmarks" / "paper_small").glob("*/results.json"):
+    for results in stored:
         target = tmp_path / results.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(results, target)
