@@ -1,5 +1,6 @@
 """Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
 
+import copy
 import inspect
 import math
 import os
@@ -174,8 +175,10 @@ def test_cached_decode_logits_equal_full_forward(backend, stack):
     `sdpa_decode_step`, V2 and hybrid transformers' sdpa)."""
     model = build_nondegenerate(backend, stack)
     other = "sdpa" if backend == "eager" else "eager"
-    reference = DiffForCausalLM._from_config(model.config, attn_implementation=other)
+    # a config of its own: _from_config sets the backend on the config object it is given
+    reference = DiffForCausalLM._from_config(copy.deepcopy(model.config), attn_implementation=other)
     reference.load_state_dict(model.state_dict())
+    assert (model.config._attn_implementation, reference.config._attn_implementation) == (backend, other)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 97, (n,), generator=gen) for n in (7, 3, 5)]
     assert_decode_matches_full_forward(model, reference.eval(), prompts, 6, f"{backend} {stack}")
@@ -491,7 +494,8 @@ def test_sequence_classification_logits_loss_and_padding(backend):
     torch.manual_seed(0)
     config = tiny_config(num_labels=3, **NONDEGENERATE)
     model = DiffForSequenceClassification._from_config(config, attn_implementation=backend).eval()
-    base = DiffModel._from_config(config, attn_implementation="eager").eval()
+    base = DiffModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    assert model.config._attn_implementation == backend
     assert base.load_state_dict(model.model.state_dict()) is not None
     gen = torch.Generator().manual_seed(4)
     rows = [torch.randint(3, 97, (n,), generator=gen) for n in (9, 5, 7)]

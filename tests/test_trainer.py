@@ -1,6 +1,8 @@
 """Causal-LM fine-tuning through Trainer (issue #4): loss decreases, fp32/bf16, gradient checkpointing and
 accumulation, safetensors checkpoints, and resume == uninterrupted."""
 
+import copy
+
 import torch
 from helpers import assert_grads_close, tiny_config
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -121,7 +123,7 @@ def test_trainer_gradients_equal_a_plain_backward(tmp_path):
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, max_grad_norm=0,
         train_sampling_strategy="sequential", warmup_steps=0,
     )
-    reference = DiffForCausalLM._from_config(trainer.model.config, attn_implementation="sdpa")
+    reference = DiffForCausalLM._from_config(copy.deepcopy(trainer.model.config), attn_implementation="sdpa")
     reference.load_state_dict(trainer.model.state_dict())
     trainer.train()
     batch = [trainer.train_dataset[i] for i in range(4)]
