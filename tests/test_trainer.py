@@ -12,7 +12,7 @@ from diff_transformer.tools.data import KeyValueTask, task_dataset
 
 TASK = KeyValueTask(num_keys=16, num_values=16, num_pairs=4)
 RESUME_RTOL = 1e-6  # same CPU kernels, same data order: resumed losses should match to fp32 rounding
-ACCUMULATION_RTOL = 1e-4  # 2x2 accumulated micro-batches vs one batch of 4: summation order only
+ACCUMULATION_RTOL = 3e-7  # 2x2 accumulated micro-batches vs one batch of 4: summation order only (measured 6.6e-8)
 BF16_ATOL = 5e-2  # first-step loss, bf16 autocast vs fp32
 LOSS_RATIO = 0.85  # last/first logged loss after 60 steps
 
