@@ -54,9 +54,13 @@ FAULTS = [
     Fault("lambda 3e-4 off (fp32 tolerance)", MODELING,
           "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init",
           "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init + 3e-4", LAYER),
+    # forward unchanged, lambda's gradient negated where the lambda vectors are bf16 (as in a bf16 model)
     Fault("lambda gradient sign flipped in bf16", MODELING,
-          "    return torch.exp(torch.dot(q1.float(), k1.float()))",
-          "    lam = torch.exp(torch.dot(q1.float(), k1.float()))", []),  # completed below
+          "    return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) "
+          "+ lambda_init\n",
+          "    lam = torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) "
+          "+ lambda_init\n    return 2 * lam.detach() - lam if q1.dtype == torch.bfloat16 else lam\n",
+          ["tests/test_modeling.py::test_attention_matches_reference", "tests/test_v2.py", "tests/test_backends.py"]),
     Fault("lambda gets no gradient", MODELING,
           "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init",
           "torch.exp(torch.dot(q2.float(), k2.float())).detach() + lambda_init", LAYER),
@@ -122,13 +126,6 @@ FAULTS = [
           "attn = attn.view(*hidden_states.shape[:2], -1, 2, self.head_dim)  # [B, T, h, pair, d]",
           "attn = attn.view(*hidden_states.shape[:2], 2, -1, self.head_dim).transpose(2, 3)", V2_LAYER),
 ]
-# Forward unchanged, lambda's gradient negated where the lambda vectors are bf16 (as in a bf16 model).
-FAULTS[3] = FAULTS[3]._replace(
-    old="    return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) + "
-        "lambda_init\n",
-    new="    lam = torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) + "
-        "lambda_init\n    return 2 * lam.detach() - lam if q1.dtype == torch.bfloat16 else lam\n",
-    tests=["tests/test_modeling.py::test_attention_matches_reference", "tests/test_v2.py", "tests/test_backends.py"])
 
 
 def copy_repository(target: Path) -> None:
