@@ -23,7 +23,8 @@ HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
 HAS_TRITON = triton_available()[0]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
-needs_flash = [pytest.mark.gpu, pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs the flash-attn package")]
+needs_flash = [pytest.mark.gpu,
+               pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs the flash-attn package")]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=triton_available()[1])
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 
