@@ -46,24 +46,24 @@ class Fault(NamedTuple):
 
 FAULTS = [
     Fault("lambda sign flipped", MODELING,
-          "return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(",
-          "return -torch.exp(torch.dot(q1.float(), k1.float())) + torch.exp(", LAYER),
+          "return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(",
+          "return -torch.exp(torch.dot(upcast(q1), upcast(k1))) + torch.exp(", LAYER),
     Fault("lambda 1% too large", MODELING,
-          "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init",
-          "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init + 0.01 * lambda_init", LAYER),
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 0.01 * lambda_init", LAYER),
     Fault("lambda 3e-4 off (fp32 tolerance)", MODELING,
-          "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init",
-          "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init + 3e-4", LAYER),
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 3e-4", LAYER),
     # forward unchanged, lambda's gradient negated where the lambda vectors are bf16 (as in a bf16 model)
     Fault("lambda gradient sign flipped in bf16", MODELING,
-          "    return torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) "
+          "    return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
           "+ lambda_init\n",
-          "    lam = torch.exp(torch.dot(q1.float(), k1.float())) - torch.exp(torch.dot(q2.float(), k2.float())) "
+          "    lam = torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
           "+ lambda_init\n    return 2 * lam.detach() - lam if q1.dtype == torch.bfloat16 else lam\n",
           ["tests/test_modeling.py::test_attention_matches_reference", "tests/test_v2.py", "tests/test_backends.py"]),
     Fault("lambda gets no gradient", MODELING,
-          "torch.exp(torch.dot(q2.float(), k2.float())) + lambda_init",
-          "torch.exp(torch.dot(q2.float(), k2.float())).detach() + lambda_init", LAYER),
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))).detach() + lambda_init", LAYER),
     Fault("eager map uses +lambda", MODELING,
           "diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2",
           "diff_map = torch.addcmul(a1, a2, lam, value=1)", LAYER),
