@@ -31,6 +31,7 @@ setup(
         "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
             "pytest>=8",
+            "cloudpickle>=3",  # tests/test_config.py: the config class ships by value
             "peft>=0.20,<=0.21.2",
             "triton>=3.2",
             "matplotlib>=3.8",

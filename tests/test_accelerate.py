@@ -39,7 +39,8 @@ def test_device_map_auto_same_logits(saved, dtype):
     with torch.no_grad():
         actual, expected = loaded(batch).logits, reference(batch).logits
     assert torch.equal(actual, expected), f"max abs diff {(actual - expected).abs().max():.3e}"
-    assert_close(actual, fp32_logits, dtype, f"device_map='auto' {dtype} vs fp32 logits")
+    # a whole model in bf16 against fp32: rounding in every layer, as between backends (measured: max diff 4.5e-3)
+    assert_close(actual, fp32_logits, dtype, f"device_map='auto' {dtype} vs fp32 logits", "backend")
 
 
 def test_init_empty_weights_then_dispatch(saved):

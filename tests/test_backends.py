@@ -9,7 +9,8 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, left_padded, tiny_config
+from helpers import (DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, grad_kind, left_padded,
+                     tiny_config)
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
@@ -22,7 +23,8 @@ HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
 HAS_TRITON = triton_available()[0]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
-needs_flash = pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs CUDA and the flash-attn package")
+needs_flash = [pytest.mark.gpu,
+               pytest.mark.skipif(not HAS_FLASH, reason="flash_attention_2 needs the flash-attn package")]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=triton_available()[1])
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 
@@ -78,7 +80,7 @@ def test_loss_and_all_gradients_match_eager(backend, dtype, heads, padded):
     assert_close(logits[rows], ref_logits[rows], dtype, f"{backend} logits", "backend")
     assert_close(loss, ref_loss, dtype, f"{backend} loss", "backend")
     for name, grad in ref_grads.items():
-        assert_close(grads[name], grad, dtype, f"{backend} d{name}", "backend")
+        assert_close(grads[name], grad, dtype, f"{backend} d{name}", grad_kind(name, "backend"))
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the tiled route is sdpa's on CPU")

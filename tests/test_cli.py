@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from diff_transformer import DiffForCausalLM
 from diff_transformer_cli import main
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
@@ -54,10 +53,9 @@ def test_train_default_task_then_generate(tmp_path, capsys):
     assert got == greedy_continuation(folder, prompt, 2), got
 
 
-@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs ../shared/data/tinyshakespeare.txt")
-def test_train_text_file_then_generate(tmp_path, capsys):
+def test_train_text_file_then_generate(shakespeare, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    corpus.write_text(shakespeare.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     folder = tmp_path / "text"
     main(["train", "--data", str(corpus), "--max-steps", "10", "--block-size", "32", "--vocab-size", "300",
           "--output", str(folder), "--max-new-tokens", "4"])

@@ -470,9 +470,11 @@ def test_saved_files_share_one_mode(trained, tmp_path):
     assert set(modes.values()) == {oct(0o640)}, modes
 
 
-def test_model_card_records_training(trained, tmp_path):
-    config = hub_upload.check_inputs(trained, "user/tiny")
-    card = str(hub_upload.model_card(trained, "user/tiny", config, "mit"))
+def test_model_card_records_training(tmp_path):
+    folder = tmp_path / "runs" / "tiny"  # its own run: `trained` is overwritten by another test
+    main(["train", "--max-steps", "2", "--examples", "64", "--output", str(folder), "--seed", "4"])
+    config = hub_upload.check_inputs(folder, "user/tiny")
+    card = str(hub_upload.model_card(folder, "user/tiny", config, "mit"))
     assert ("Trained with `diff-transformer train` on the built-in synthetic key/value retrieval task: 2 optimizer "
             "steps, mean training loss ") in card, card
     assert "| `--learning-rate` | `0.005` |" in card and "| `--seed` | `4` |" in card, card

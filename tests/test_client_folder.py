@@ -188,10 +188,9 @@ def lm_eval_rolling_loglikelihood(model, tokenizer, text: str) -> tuple[list[int
     return inputs[:-1], token_logprobs(model, inputs).sum().item()
 
 
+@pytest.mark.parametrize("cli_folder", [False], ids=["plain"], indirect=True)  # lm-eval scores plain text
 def test_lm_eval_style_loglikelihood_sees_the_training_tokens(cli_folder):
     folder, chat = cli_folder
-    if chat:
-        pytest.skip("lm-eval scores plain text; the chat folder trains on chat turns")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = DiffForCausalLM.from_pretrained(folder).eval()
     training = encode_example(tokenizer, PROMPT, ANSWER)  # what the CLI trained on: <s> prompt answer

@@ -27,7 +27,7 @@ from diff_transformer.tools.convert import added_parameters, convert, convert_ch
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
 
-LOGIT_ATOL = 1e-4  # the bound for fp32 conversion
+LOGIT_ATOL = 1e-6  # fp32 conversion: the same function up to summation order (measured: max abs diff 1.8e-7)
 IMPORT_ATOL = 1e-5  # DiffLlama import is a pure permutation: only summation order differs
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)

@@ -373,28 +373,24 @@ def test_paper_small_quantization_hooks_change_the_loss():
             pass
 
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-
-
 def report_tables(report: str) -> list[str]:
     return [line for line in report.splitlines() if line.startswith(("|", "#"))]
 
 
-def test_paper_small_from_saved_reproduces_the_tables(tmp_path):
+def test_paper_small_from_saved_reproduces_the_tables(shakespeare, tmp_path):
     """--quick end to end with saved models: every run leaves a from_pretrained folder whose checksum is in the
     stored run; --from-saved recomputes every table (loss, accuracy, noise, outliers, quantization) from the folders
     exactly, without rewriting the stored runs; a changed or missing folder stops it with one line naming the run.
-    The text task reads the first 60,000 characters of tiny Shakespeare when it is there."""
+    The text task reads the first 60,000 characters of tiny Shakespeare (the `shakespeare` fixture)."""
     benchmark = load_paper_small()
     text = tmp_path / "text.txt"
-    if SHAKESPEARE.exists():
-        text.write_text(SHAKESPEARE.read_text()[:60000])
+    text.write_text(shakespeare.read_text()[:60000])
     out = tmp_path / "out"
     argv = ["--quick", "--steps", "4", "--text-steps", "4", "--long-steps", "0", "--seeds", "0", "1",
             "--curve-points", "2", "--examples", "24", "--eval-samples", "1", "--data", str(text),
             "--output-dir", str(out)]
     trained = benchmark.main(argv)
-    tasks = ["retrieval", "text"] if SHAKESPEARE.exists() else ["retrieval"]
+    tasks = ["retrieval", "text"]
     for task in tasks:
         assert f"### Fake quantization, {task}" in trained and f"### Activation outliers, {task}" in trained
         assert (out / f"outliers_quantization_{task}.png").stat().st_size > 1000

@@ -1,5 +1,6 @@
 """Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
 
+import copy
 import inspect
 import math
 import os
@@ -11,9 +12,12 @@ import pytest
 import torch
 from helpers import (
     PADDED,
+    NONDEGENERATE,
     STACKS,
     TOLERANCES,
+    assert_decode_matches_full_forward,
     assert_close,
+    assert_grads_close,
     assert_layer_matches_reference,
     attention_mask,
     attention_params,
@@ -21,6 +25,7 @@ from helpers import (
     build_stack,
     left_padded,
     paper_lambda_init,
+    randomize_gains,
     reference_diff_attention,
     reference_branch_maps,
     reference_lambda,
@@ -43,14 +48,6 @@ HEADS = {
 def build_model(backend: str = "sdpa", dtype: torch.dtype = torch.float32, **overrides) -> DiffForCausalLM:
     model = DiffForCausalLM._from_config(tiny_config(**overrides), attn_implementation=backend)
     return model.to(dtype).eval()
-
-
-def randomize_gains(model: torch.nn.Module) -> None:
-    """Norm gains start at 1; perturb them so the tests see whether each one is applied."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "subln" in name:
-                param.add_(0.2 * torch.randn_like(param))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -158,6 +155,35 @@ def test_cached_greedy_equals_full_forward_argmax(backend, heads):
     assert torch.equal(generated, greedy_by_full_forward(model, prompt, 24))
 
 
+DECODE_STACKS = {"V1-MHA": dict(num_attention_heads=2, num_key_value_heads=2), **STACKS}
+
+
+def build_nondegenerate(backend: str, stack: str, seed: int = 0) -> DiffForCausalLM:
+    """A seeded tiny model of `DECODE_STACKS` with clear logit margins (`NONDEGENERATE`, perturbed norm gains)."""
+    torch.manual_seed(seed)
+    config = tiny_config(**DECODE_STACKS[stack], **NONDEGENERATE)
+    model = DiffForCausalLM._from_config(config, attn_implementation=backend)
+    randomize_gains(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("stack", list(DECODE_STACKS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_decode_logits_equal_full_forward(backend, stack):
+    """Prompts of 7, 3, 5 tokens left-padded into one batch, 6 cached greedy steps: every step's logits vs a full
+    forward without a cache of each prompt alone, under the other backend (sdpa's V1 steps run the one-call
+    `sdpa_decode_step`, V2 and hybrid transformers' sdpa)."""
+    model = build_nondegenerate(backend, stack)
+    other = "sdpa" if backend == "eager" else "eager"
+    # a config of its own: _from_config sets the backend on the config object it is given
+    reference = DiffForCausalLM._from_config(copy.deepcopy(model.config), attn_implementation=other)
+    reference.load_state_dict(model.state_dict())
+    assert (model.config._attn_implementation, reference.config._attn_implementation) == (backend, other)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 97, (n,), generator=gen) for n in (7, 3, 5)]
+    assert_decode_matches_full_forward(model, reference.eval(), prompts, 6, f"{backend} {stack}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_left_padded_batch_generation_equals_one_by_one(backend):
     model = build_model(backend, num_attention_heads=4, num_key_value_heads=2)
@@ -192,9 +218,9 @@ def test_backends_agree_on_loss_and_gradients():
         loss = model(batch, labels=batch).loss
         loss.backward()
         losses[backend] = loss.detach()
-        grads[backend] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        grads[backend] = {name: p.grad for name, p in model.named_parameters()}
     assert_close(losses["sdpa"], losses["eager"], torch.float32, "loss sdpa vs eager")
-    assert_close(grads["sdpa"], grads["eager"], torch.float32, "grads sdpa vs eager")
+    assert_grads_close(grads["sdpa"], grads["eager"], torch.float32, "sdpa vs eager")
 
 
 def test_save_load_bit_identical_and_auto_classes(tmp_path):
@@ -248,21 +274,26 @@ def test_remote_code_loads_without_package(tmp_path):
     assert "REMOTE_OK DiffForCausalLM" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("stack", list(DECODE_STACKS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradient_checkpointing_same_gradients(backend):
+def test_gradient_checkpointing_same_gradients(backend, stack):
+    """Loss and every parameter's gradient with activation checkpointing vs without, per tensor."""
     batch = torch.randint(3, 97, (2, 12))
-    grads = []
+    grads, losses = [], []
     for checkpointing in (False, True):
-        torch.manual_seed(3)
-        model = build_model(backend).train()
+        model = build_nondegenerate(backend, stack, seed=3).train()
         if checkpointing:  # transformers 5.24 renamed gradient_checkpointing_enable; the old name warns there
             if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model(batch, labels=batch).loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert_close(grads[1], grads[0], torch.float32, f"{backend} checkpointed grads")
+            assert model.model.gradient_checkpointing
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert_close(losses[1], losses[0], torch.float32, f"{backend} {stack} checkpointed loss")
+    assert_grads_close(grads[1], grads[0], torch.float32, f"{backend} {stack} checkpointed")
 
 
 def test_eager_returns_differential_maps():
@@ -432,3 +463,53 @@ def test_legacy_rope_config_formats_load_as_llama_reads_them(fields, tmp_path):
     want = LlamaRotaryEmbedding(llama)(x, positions)
     for a, b in zip(got, want):
         assert_close(a, b, torch.float32, f"{fields} rotary cos/sin")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_without_subln_matches_reference(backend):
+    """use_subln=False with lambda far from 0 (lambda_init 0.5, lambda vectors of std 0.3): no SubLN and no
+    (1 - lambda_init) scale, output and gradients vs the fp64 reference."""
+    torch.manual_seed(0)
+    model = build_model(backend, use_subln=False, lambda_init=0.5, **NONDEGENERATE).model
+    attn = model.layers[1].self_attn
+    assert isinstance(attn.subln, torch.nn.Identity) and attn.output_scale == 1.0
+    lam = attn.lambda_params().item()
+    assert abs(lam) > 0.1 and abs(lam - 0.5) > 0.01, f"lambda {lam} should be far from 0 and from lambda_init"
+    x = torch.randn(2, 12, 64, requires_grad=True)
+    params = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
+              "lq1": attn.lambda_params.q1, "lk1": attn.lambda_params.k1,
+              "lq2": attn.lambda_params.q2, "lk2": attn.lambda_params.k2}
+    assert_layer_matches_reference(
+        attn, model, x, attention_mask(True), params,
+        lambda x_ref, weights, key_valid: reference_diff_attention(x_ref, weights, model.config, 1, key_valid),
+        torch.float32, f"{backend} without SubLN",
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_classification_logits_loss_and_padding(backend):
+    """DiffForSequenceClassification on a right-padded batch: each row's logits are the score head on the last
+    real token's hidden state of that row alone (DiffModel, no padding), as Llama's head pools; its loss is the
+    cross-entropy of those logits; a pad id in the middle of the row (not trailing) is no end marker."""
+    torch.manual_seed(0)
+    config = tiny_config(num_labels=3, **NONDEGENERATE)
+    model = DiffForSequenceClassification._from_config(config, attn_implementation=backend).eval()
+    base = DiffModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    assert model.config._attn_implementation == backend
+    assert base.load_state_dict(model.model.state_dict()) is not None
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, 97, (n,), generator=gen) for n in (9, 5, 7)]
+    rows[2][3] = config.pad_token_id  # an inner pad token: the pooled token is still the last one
+    batch = torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    labels = torch.tensor([2, 0, 1])
+    lengths = torch.tensor([len(row) for row in rows])
+    out = model(batch, attention_mask=(torch.arange(9) < lengths[:, None]).long(), labels=labels)
+    with torch.no_grad():
+        expected = torch.stack([model.score(base(row[None]).last_hidden_state[0, -1]) for row in rows])
+    assert out.logits.shape == (3, 3)
+    assert_close(out.logits.detach(), expected, torch.float32, f"{backend} classification logits", "backend")
+    assert_close(out.loss.detach(), torch.nn.functional.cross_entropy(expected, labels), torch.float32,
+                 f"{backend} classification loss", "backend")
+    assert (expected.argmax(-1) != expected.argmin(-1)).all() and expected.std() > 0.05, "degenerate logits"

@@ -7,6 +7,7 @@ import ddp_train
 import fsdp_train
 import pytest
 import torch
+from helpers import assert_grads_close
 from multiprocess import assert_same_losses, torchrun
 from transformers import AutoModelForCausalLM
 
@@ -73,3 +74,18 @@ def test_deepspeed_zero3_two_processes_match_one(tmp_path):
     zero3 = torchrun("ddp_train.py", 2, tmp_path / "zero3", str(ddp_train.GLOBAL_BATCH // 2), str(config))[0]
     assert zero3["engine"] == "DeepSpeedEngine", zero3["engine"]
     assert_same_losses(zero3["losses"], single["losses"], LOSS_RTOL, "DeepSpeed ZeRO-3 on 2 processes vs 1 process")
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_first_step_gradients_match_one_process(engine, tmp_path):
+    """The first step's gradients on 2 processes (DDP through Trainer, or FSDP2), gathered whole, vs one plain
+    backward of the same global batch in one process, per tensor: a gradient scaled by the process count (a sum
+    instead of a mean) fails, where the losses after AdamW steps cannot tell."""
+    results = torchrun("grad_worker.py", 2, tmp_path, engine)
+    assert [r["processes"] for r in results] == [2, 2], results
+    grads = torch.load(tmp_path / "grads.pt", weights_only=True)
+    model, dataset = ddp_train.tiny_model_and_data()
+    input_ids = fsdp_train.rows(dataset, 0, ddp_train.GLOBAL_BATCH)
+    model.eval()(input_ids=input_ids, labels=input_ids).loss.backward()
+    assert_grads_close(grads, {name: p.grad for name, p in model.named_parameters()}, torch.float32,
+                       f"{engine} on 2 processes vs 1")

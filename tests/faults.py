@@ -1,0 +1,199 @@
+"""Planted faults: each plausible bug below must make at least one test fail.
+
+    python tests/faults.py                 # every fault; exits 1 if any is not caught
+    python tests/faults.py --list          # the faults' names
+    python tests/faults.py NAME [NAME ...] # some of them
+
+The repository (without .git and virtual environments) is copied once into a temporary folder; each fault edits one
+line of that copy's package (the text it replaces must occur exactly once, so a fault cannot silently become a no-op
+when the code moves), runs pytest on the copy with `-x` over the test files where the faulty code runs, most
+sensitive first, so that the run stops at the first test that catches it, prints that test's node id, and restores
+the line. The working tree is never edited. Tests run under the default selection (`-m 'not slow and not gpu'`).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELING = "diff_transformer/modeling_diff.py"
+TILED = "diff_transformer/kernel_tiled.py"
+FLASH = "diff_transformer/kernel_diff_flash.py"
+
+# Test files by what they exercise, most sensitive (and fastest) first.
+LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
+V2_LAYER = ["tests/test_v2.py::test_v2_attention_matches_reference"]
+BACKENDS = ["tests/test_backends.py::test_loss_and_all_gradients_match_eager"]
+DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward",
+          "tests/test_cache_compat.py", "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
+TRAINING = ["tests/test_trainer.py::test_trainer_gradients_equal_a_plain_backward"]
+
+
+class Fault(NamedTuple):
+    name: str
+    path: str  # the file of the package it edits
+    old: str  # text that occurs exactly once in that file
+    new: str
+    tests: list[str]  # pytest arguments, run with -x in this order
+
+
+FAULTS = [
+    Fault("lambda sign flipped", MODELING,
+          "return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(",
+          "return -torch.exp(torch.dot(upcast(q1), upcast(k1))) + torch.exp(", LAYER),
+    Fault("lambda 1% too large", MODELING,
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 0.01 * lambda_init", LAYER),
+    Fault("lambda 3e-4 off (fp32 tolerance)", MODELING,
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 3e-4", LAYER),
+    # forward unchanged, lambda's gradient negated where the lambda vectors are bf16 (as in a bf16 model)
+    Fault("lambda gradient sign flipped in bf16", MODELING,
+          "    return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
+          "+ lambda_init\n",
+          "    lam = torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
+          "+ lambda_init\n    return 2 * lam.detach() - lam if q1.dtype == torch.bfloat16 else lam\n",
+          ["tests/test_modeling.py::test_attention_matches_reference", "tests/test_v2.py", "tests/test_backends.py"]),
+    Fault("lambda gets no gradient", MODELING,
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
+          "torch.exp(torch.dot(upcast(q2), upcast(k2))).detach() + lambda_init", LAYER),
+    Fault("eager map uses +lambda", MODELING,
+          "diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2",
+          "diff_map = torch.addcmul(a1, a2, lam, value=1)", LAYER),
+    Fault("decode step lambda 20% off", MODELING,
+          "return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1)",
+          "return torch.addcmul(out[:, :, 0], out[:, :, 1], 1.2 * lam, value=-1)", DECODE),
+    Fault("decode step lambda = 0", MODELING,
+          "return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1)",
+          "return torch.addcmul(out[:, :, 0], out[:, :, 1], 0 * lam, value=-1)", DECODE),
+    Fault("decode step drops the oldest cached key", MODELING,
+          "    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]\n",
+          "    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]\n"
+          "    k, v = k[:, :, 1:], v[:, :, 1:]\n"
+          "    attention_mask = None if attention_mask is None else attention_mask[..., 1:]\n", DECODE),
+    Fault("SubLN gain ignored", MODELING,
+          "return (self.subln(out) * self.output_scale if",
+          "return (self.subln(out) / self.subln.weight * self.output_scale if", LAYER),
+    Fault("(1 - lambda_init) scale dropped", MODELING,
+          "self.output_scale = 1.0 - value if self.use_subln else 1.0",
+          "self.output_scale = 1.0", LAYER),
+    Fault("query branch rows swapped", MODELING,
+          "return q[:, :h], q[:, h:], k[..., :d], k[..., d:]",
+          "return q[:, h:], q[:, :h], k[..., :d], k[..., d:]", LAYER),
+    Fault("key branch halves swapped in packing", MODELING,
+          "k = k.view(batch, 2, -1, length, d).permute(0, 2, 3, 1, 4)",
+          "k = k.view(batch, 2, -1, length, d).flip(1).permute(0, 2, 3, 1, 4)", LAYER),
+    Fault("standard calls use +lambda", MODELING,
+          "return branch_outputs[0] - lam * branch_outputs[1], None",
+          "return branch_outputs[0] + lam * branch_outputs[1], None", LAYER),
+    Fault("standard calls ignore the mask", MODELING,
+          "parts = [attend(module, *call, attention_mask, dropout=0.0",
+          "parts = [attend(module, *call, None, dropout=0.0", LAYER + ["tests/test_modeling.py"]),
+    Fault("tiled kernel: row 0's padding mask for all", TILED,
+          "return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(mask, k.shape[1]), rows)",
+          "return forward_tiles(*branch_views(q, k, scaling), v, lam, branch_mask(None if mask is None or "
+          "mask.shape[0] == 1 else mask[:1].expand_as(mask), k.shape[1]), rows)",
+          ["tests/test_tiled_kernel.py", "tests/test_backends.py::test_sdpa_tiled_cpu_route_matches_eager"]),
+    Fault("tiled backward: lambda gradient sign", TILED,
+          "dlam -= torch.dot(probs[1].view(-1), d_map.view(-1))",
+          "dlam += torch.dot(probs[1].view(-1), d_map.view(-1))",
+          ["tests/test_tiled_kernel.py", "tests/test_backends.py::test_sdpa_tiled_cpu_route_matches_eager"]),
+    Fault("tiled backward: dV doubled", TILED,
+          "return dq, dk.view(k.shape), dv_flat.view(v.shape), dlam, None, None, None",
+          "return dq, dk.view(k.shape), 2 * dv_flat.view(v.shape), dlam, None, None, None",
+          ["tests/test_tiled_kernel.py", "tests/test_backends.py::test_sdpa_tiled_cpu_route_matches_eager"]),
+    Fault("diff_flash backward: lambda gradient sign", FLASH,
+          "grad_lam = -delta2.sum()", "grad_lam = delta2.sum()",
+          ["tests/test_diff_flash_kernel.py", "tests/test_backends.py"]),
+    Fault("gradients doubled in training mode", MODELING,
+          "return self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1)), attn_map",
+          "out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))\n"
+          "        return (2 * out - out.detach() if self.training else out), attn_map", TRAINING),
+    Fault("V2 gate off", MODELING,
+          "gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]",
+          "gate = 0 * torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]", V2_LAYER),
+    Fault("V2 gate sign in the sdpa path", MODELING,
+          "return attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float(), weights",
+          "return attn[..., 0, :].float() + gate[..., None] * attn[..., 1, :].float(), weights", V2_LAYER),
+    Fault("V2 head pairs mis-grouped", MODELING,
+          "attn = attn.view(*hidden_states.shape[:2], -1, 2, self.head_dim)  # [B, T, h, pair, d]",
+          "attn = attn.view(*hidden_states.shape[:2], 2, -1, self.head_dim).transpose(2, 3)", V2_LAYER),
+]
+
+
+def copy_repository(target: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", "notebooks",
+                                    "benchmarks")
+    shutil.copytree(ROOT, target, ignore=ignore, symlinks=True)
+
+
+def run_fault(fault: Fault, copy: Path, timeout: float) -> tuple[str | None, float, str]:
+    """(the node id of the first failing test or None, seconds, the output's tail)."""
+    path = copy / fault.path
+    original = path.read_text()
+    count = original.count(fault.old)
+    if count != 1:
+        raise SystemExit(f"fault {fault.name!r}: the text to replace occurs {count} times in {fault.path}")
+    path.write_text(original.replace(fault.old, fault.new))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider",
+                                 *fault.tests], cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        output = result.stdout + result.stderr
+    except subprocess.TimeoutExpired as error:
+        output = f"timed out after {timeout:.0f} s\n{error.stdout or ''}"
+    finally:
+        path.write_text(original)
+    seconds = time.monotonic() - start
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+::\S+)", output, re.MULTILINE)  # a test, not a collection error
+    return (failed.group(1) if failed else None), seconds, output[-2000:]
+
+
+def check_copy_is_imported(copy: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")])}
+    found = subprocess.run([sys.executable, "-c", "import diff_transformer; print(diff_transformer.__file__)"],
+                           cwd=copy, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(found).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"the copy's package is not the one imported: {found}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="faults to plant (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the faults' names and exit")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per fault")
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(fault.name for fault in FAULTS))
+        return 0
+    unknown = set(args.names) - {fault.name for fault in FAULTS}
+    if unknown:
+        parser.error(f"unknown fault(s) {sorted(unknown)}; see --list")
+    faults = [fault for fault in FAULTS if not args.names or fault.name in args.names]
+    missed = []
+    with tempfile.TemporaryDirectory(prefix="diff-faults-") as tmp:
+        copy = Path(tmp) / "repo"
+        copy_repository(copy)
+        check_copy_is_imported(copy)
+        print(f"{'fault':44} {'seconds':>7}  caught by")
+        for fault in faults:
+            node, seconds, tail = run_fault(fault, copy, args.timeout)
+            print(f"{fault.name:44} {seconds:7.0f}  {node or 'NOT CAUGHT'}", flush=True)
+            if node is None:
+                missed.append(fault.name)
+                print(tail, file=sys.stderr)
+    print(f"{len(faults) - len(missed)} of {len(faults)} faults caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
