@@ -32,10 +32,11 @@ GQA: query head j reads kv head j // (h // h_kv) in both branches.
 causal=True is bottom-right aligned: query i may attend key j iff j <= i + S - T.
 A fully masked query row gives output 0 and zero gradients.
 
-Tiles: each kernel has a tile (BLOCK_M, BLOCK_N, warps, stages) per GPU target, head dims and dtype (`tile_config`),
-chosen to fit the target's shared memory without spilling registers; the dK/dV kernel computes its tiles key-major
-so that BLOCK_N is the M dimension of all its products (wgmma on sm_90 needs M >= 64). `unfit_reason` says when
-inputs have no tile on a device, so that the caller can run standard attention instead.
+Tiles: each kernel has a tile (BLOCK_M, BLOCK_N, warps, stages) per GPU target, head dims and dtype (`tile_config`
+reads the generated table of kernel_tiles.py), chosen to fit the target's shared memory without spilling registers;
+the dK/dV kernel computes its tiles key-major so that BLOCK_N is the M dimension of all its products (wgmma on sm_90
+needs M >= 64). `unfit_reason` says when inputs have no tile on a device, so that the caller can run standard
+attention instead.
 
 Set TRITON_INTERPRET=1 before importing this module (and triton) to run the kernels on CPU: slow, for tests.
 
@@ -50,6 +51,8 @@ import os
 import torch
 from torch import Tensor
 
+from .kernel_tiles import TARGET_TILES, TILES, Tile
+
 try:
     import triton
     import triton.language as tl
@@ -62,7 +65,7 @@ else:
 # Triton decides at decoration time whether @triton.jit functions are interpreted, so read the flag once here.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HEAD_DIMS = (16, 32, 64, 128)
-KERNELS = ("fwd", "dq", "dkdv")  # the forward, the dQ backward and the dK/dV backward, in the order of `_TILES`
+KERNELS = ("fwd", "dq", "dkdv")  # the forward, the dQ backward and the dK/dV backward
 
 
 def triton_available() -> tuple[bool, str]:
@@ -341,123 +344,6 @@ LAUNCH_OPTIONS = dict(default_dot_input_precision="ieee")
 # GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
 INTERPRETER_TARGET: int | None = None
 
-Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# _TILES[dtype bytes][target][(d, dv)] = the tiles of (fwd, dq, dkdv). Every entry compiles for its target in every
-# masking mode, fits its shared memory and spills no register. Chosen for that, then (on sm_90) for wgmma's M >= 64
-# in every product where a tile that fits allows it, then for registers under 240, the largest tile and the deepest
-# pipeline. The tiles are fit-checked ahead of time, not yet timed on the devices.
-_TILES: dict[int, dict[int, dict[tuple[int, int], tuple[Tile, Tile, Tile]]]] = {
-    2: {  # fp16 and bf16
-        80: {
-            (16, 16): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 1)),
-            (16, 32): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 1)),
-            (32, 32): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 1)),
-            (32, 64): ((128, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 1)),
-            (64, 64): ((128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3)),
-            (64, 128): ((128, 32, 8, 3), (64, 32, 8, 3), (64, 32, 8, 3)),
-            (128, 128): ((32, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 2)),
-            (128, 256): ((32, 64, 8, 1), (64, 32, 8, 1), (32, 32, 8, 2)),
-        },
-        86: {
-            (16, 16): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 1)),
-            (16, 32): ((128, 32, 8, 2), (128, 32, 8, 2), (16, 64, 4, 2)),
-            (32, 32): ((128, 32, 8, 2), (128, 32, 8, 2), (16, 64, 4, 2)),
-            (32, 64): ((128, 32, 8, 2), (128, 32, 8, 2), (16, 64, 4, 2)),
-            (64, 64): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2)),
-            (64, 128): ((64, 32, 8, 3), (64, 32, 8, 2), (64, 32, 8, 2)),
-            (128, 128): ((32, 64, 8, 2), (64, 64, 8, 1), (32, 64, 8, 1)),
-            (128, 256): ((32, 64, 8, 2), (64, 32, 8, 1), (32, 32, 8, 2)),
-        },
-        90: {
-            (16, 16): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
-            (16, 32): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
-            (32, 32): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
-            (32, 64): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
-            (64, 64): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
-            (64, 128): ((128, 32, 8, 3), (128, 64, 8, 3), (16, 128, 8, 3)),
-            (128, 128): ((128, 32, 8, 3), (128, 32, 8, 3), (16, 64, 8, 3)),
-            (128, 256): ((64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 8, 2)),
-        },
-    },
-    4: {  # fp32
-        80: {
-            (16, 16): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
-            (16, 32): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1)),
-            (32, 32): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1)),
-            (32, 64): ((32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 8, 1)),
-            (64, 64): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
-            (64, 128): ((32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
-            (128, 128): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
-            (128, 256): ((32, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 1)),
-        },
-        86: {
-            (16, 16): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-            (16, 32): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-            (32, 32): ((32, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2)),
-            (32, 64): ((32, 32, 8, 2), (32, 32, 8, 2), (16, 32, 8, 1)),
-            (64, 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-            (64, 128): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-            (128, 128): ((32, 32, 8, 2), (32, 32, 8, 1), (16, 32, 8, 2)),
-            (128, 256): ((32, 32, 8, 1), (16, 32, 4, 1), (16, 16, 8, 1)),
-        },
-        90: {
-            (16, 16): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
-            (16, 32): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
-            (32, 32): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
-            (32, 64): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 2)),
-            (64, 64): ((64, 64, 8, 1), (64, 32, 8, 2), (16, 64, 8, 1)),
-            (64, 128): ((64, 32, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2)),
-            (128, 128): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-            (128, 256): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
-        },
-    },
-}
-
-
-# Where a padding mask's extra registers need a smaller tile than `_TILES` gives: [dtype bytes][target][(d, dv)]
-# = {kernel: tile}.
-_MASKED_TILES: dict[int, dict[int, dict[tuple[int, int], dict[str, Tile]]]] = {
-    2: {
-        80: {
-            (16, 32): {"fwd": (128, 32, 8, 2), "dkdv": (16, 64, 4, 3)},
-            (32, 32): {"dkdv": (16, 64, 4, 3)},
-            (32, 64): {"dkdv": (16, 64, 4, 3)},
-            (64, 64): {"dq": (128, 32, 8, 1)},
-            (64, 128): {"fwd": (64, 64, 8, 3), "dq": (32, 32, 4, 2), "dkdv": (64, 32, 8, 1)},
-            (128, 128): {"dq": (64, 64, 8, 1), "dkdv": (64, 32, 8, 1)},
-        },
-        86: {
-            (32, 64): {"dkdv": (16, 64, 8, 2)},
-            (64, 64): {"dq": (128, 32, 8, 1)},
-            (64, 128): {"dq": (32, 32, 4, 2), "dkdv": (64, 32, 8, 1)},
-        },
-        90: {
-            (32, 32): {"dkdv": (32, 128, 8, 2)},
-            (64, 64): {"dkdv": (32, 128, 8, 1)},
-            (128, 128): {"dkdv": (16, 64, 8, 2)},
-        },
-    },
-    4: {
-        80: {
-            (16, 32): {"dkdv": (32, 32, 8, 2)},
-            (32, 32): {"dkdv": (16, 32, 8, 2)},
-            (32, 64): {"dq": (32, 32, 8, 1), "dkdv": (16, 32, 8, 2)},
-            (64, 128): {"dkdv": (32, 32, 8, 1)},
-            (128, 256): {"dkdv": (16, 16, 8, 1)},
-        },
-        86: {
-            (16, 32): {"dkdv": (16, 32, 8, 2)},
-            (32, 64): {"dkdv": (16, 32, 4, 2)},
-        },
-        90: {
-            (128, 256): {"dq": (32, 32, 8, 1), "dkdv": (16, 16, 8, 1)},
-        },
-    },
-}
-
-
-
-
 def _dims_supported(head_dim: int, value_dim: int) -> bool:
     return head_dim in _HEAD_DIMS and value_dim in (head_dim, 2 * head_dim)
 
@@ -473,13 +359,9 @@ def tile_config(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype |
     or 2d."""
     if not _dims_supported(head_dim, value_dim):
         return None
-    size = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
-    family = 86 if target == 89 else target
-    tiles = _TILES[size].get(family, {}).get((head_dim, value_dim))
-    if tiles is None:
-        return None
-    smaller = _MASKED_TILES[size].get(family, {}).get((head_dim, value_dim), {}).get(kernel) if masked else None
-    return smaller or tiles[KERNELS.index(kernel)]
+    name = "fp32" if str(dtype).removeprefix("torch.") == "float32" else "fp16"
+    tiles = TILES.get((TARGET_TILES.get(target), name, head_dim, value_dim, kernel))
+    return None if tiles is None else tiles[masked]
 
 
 @functools.cache

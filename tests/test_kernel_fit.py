@@ -5,6 +5,7 @@ in a process without TRITON_INTERPRET) and must fit the target's shared memory w
 combination without a tile is routed to the standard calls with one warning, and its output equals eager's.
 """
 
+import difflib
 import importlib.util
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_close, build_stack
+from test_client_folder import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
 from diff_transformer.modeling_diff import DIFF_FLASH, select_kernel
@@ -96,3 +98,88 @@ def test_unfit_model_runs_the_standard_calls(case, monkeypatch):
     assert_close(logits, expected, torch.float32, f"{case} logits", "backend")
     grad, expected_grad = (m.model.layers[0].self_attn.q_proj.weight.grad for m in (model, reference))
     assert_close(grad, expected_grad, torch.float32, f"{case} dq_proj", "backend")
+
+
+def _changes(committed: str, generated: str) -> str:
+    lines = difflib.unified_diff(committed.splitlines(), generated.splitlines(), "committed", "generated", lineterm="")
+    return "\n".join(list(lines)[:40])
+
+
+def test_committed_tile_table_is_a_fresh_generation():
+    """kernel_tiles.py and the table of docs/kernels.md are what `kernel_fit.py --write` makes of the recorded compile
+    results (benchmarks/kernel_fit.json): nobody edited them by hand, and the record holds every shipped tile."""
+    record = kernel_fit.read_record()
+    table = kernel_fit.choose(record["rows"])
+    generated = kernel_fit.render_module(table)
+    committed = kernel_fit.TILES_MODULE.read_text()
+    assert committed == generated, ("kernel_tiles.py is not the generated table (python benchmarks/kernel_fit.py "
+                                     "--write):\n" + _changes(committed, generated))
+    docs = kernel_fit.DOCS.read_text()
+    block = kernel_fit.render_docs(table, record["rows"], record["triton"])
+    assert kernel_fit.docs_with_table(docs, block) == docs, ("docs/kernels.md's tile table is not the generated one "
+                                                            "(python benchmarks/kernel_fit.py --write):\n"
+                                                            + _changes(docs, kernel_fit.docs_with_table(docs, block)))
+    assert len(table) == len(kernel_fit.FAMILIES) * 2 * len(kernel_fit.HEAD_DIMS) * 2 * len(kernel_fit.KERNELS)
+
+
+def _rows(tile, target=90, kernel="fwd", modes=("causal", "decode", "padmask"), mma="wgmma", registers=200,
+          error=None, **per_mode):
+    """Compile rows of one candidate tile as kernel_fit writes them; `per_mode` = {mode: dict of fields to change}."""
+    block_m, block_n, warps, stages = tile
+    return [dict(kernel=kernel, target=target, head_dim=64, value_dim=64, dtype="fp16", mode=mode,
+                 tile=f"{block_m}x{block_n}", warps=warps, stages=stages, registers=registers, spill_bytes=0,
+                 shared=65536, shared_limit=kernel_fit.kernels.SHARED_MEMORY[target], mma=mma, error=error)
+            | per_mode.get(mode, {}) for mode in modes]
+
+
+def test_the_rule_picks_by_fit_then_wgmma_registers_size_and_stages():
+    """RULE on made-up compile rows: each candidate loses for one reason only."""
+    best = (64, 64, 8, 2)
+    rows = [  # the best last, so that a tie would not pick it by order
+        *_rows((128, 128, 8, 3), mma="mma.sync"),  # larger and deeper, but no wgmma on sm_90
+        *_rows((128, 64, 8, 3), decode=dict(error="spills 8 B per thread")),  # larger, spills at T = 1
+        *_rows((128, 64, 4, 3), registers=250),  # larger, over the register goal
+        *_rows((64, 64, 8, 1)),  # shallower pipeline
+        *_rows((32, 64, 8, 3)),  # smaller
+        *_rows((64, 64, 4, 2)),  # fewer warps, else equal
+        *_rows(best),
+    ]
+    assert kernel_fit.choose(rows) == {(90, "fp16", 64, 64, "fwd"): (best, best)}
+    on_ampere = [{**row, "target": 80, "mma": "mma.sync"} for row in rows]  # wgmma counts on sm_90 only
+    assert kernel_fit.choose(on_ampere)[(80, "fp16", 64, 64, "fwd")] == ((128, 128, 8, 3), (128, 128, 8, 3))
+
+
+def test_the_rule_takes_a_masked_tile_only_where_the_mask_needs_one():
+    tile, smaller = (128, 64, 8, 3), (64, 64, 8, 3)
+    rows = [*_rows(tile, padmask=dict(error="spills 16 B per thread")), *_rows(smaller)]
+    assert kernel_fit.choose(rows) == {(90, "fp16", 64, 64, "fwd"): (tile, smaller)}
+    rows = [*_rows(tile, padmask=dict(error="spills 16 B per thread"))]  # no tile for the mask: none at all
+    assert kernel_fit.choose(rows) == {}
+
+
+def test_the_rule_needs_a_tile_to_fit_every_target_of_its_family():
+    """sm_89 runs sm_86's tiles, so a tile must qualify on both; dK/dV also runs the MHA mode."""
+    fits_both, only_86 = (32, 32, 8, 2), (64, 32, 8, 2)
+    modes = ("causal", "mha", "padmask")
+    rows = [*_rows(fits_both, 86, "dkdv", modes, "mma.sync"), *_rows(fits_both, 89, "dkdv", modes, "mma.sync"),
+            *_rows(only_86, 86, "dkdv", modes, "mma.sync"),
+            *_rows(only_86, 89, "dkdv", modes, "mma.sync", mha=dict(error="needs 110000 B of shared memory"))]
+    assert kernel_fit.choose(rows) == {(86, "fp16", 64, 64, "dkdv"): (fits_both, fits_both)}
+
+
+def test_a_saved_folder_ships_the_tile_table(tmp_path):
+    """kernel_tiles.py travels with kernel_diff_flash.py (save_pretrained copies the relative imports): a folder
+    loaded without the package has the diff_flash kernel, with the package's tiles."""
+    folder = tmp_path / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(folder)
+    assert (folder / "kernel_tiles.py").read_text() == kernel_fit.TILES_MODULE.read_text()
+    out = run_without_package(f"""
+        import sys
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        modeling = sys.modules[type(model).__module__]
+        kernel = sys.modules[modeling.__name__.rpartition(".")[0] + ".kernel_diff_flash"]
+        assert modeling.diff_flash_attention is not None
+        print("TILES", kernel.tile_config("dkdv", 128, 128, "float16", 89, masked=True))
+    """, tmp_path)
+    assert f"TILES {kernels.tile_config('dkdv', 128, 128, torch.float16, 89, masked=True)}" in out, out[-3000:]
