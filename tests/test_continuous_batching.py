@@ -134,5 +134,7 @@ def test_unsupported_backend_is_refused_before_any_request(backend):
 
 @pytest.mark.skipif(UPDATE_TAKES_KWARGS, reason="this transformers' paged cache is supported")
 def test_older_paged_cache_is_refused():
+    """Before any request, with that release's own batching defaults (its ContinuousBatchingConfig has no page_size)."""
+    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with pytest.raises(NotImplementedError, match="upgrade transformers"):
-        generate_batch(build("V1-GQA", "sdpa"), PROMPTS)
+        build("V1-GQA", "sdpa").generate_batch(PROMPTS, generation_config=generation)
