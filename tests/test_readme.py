@@ -123,8 +123,6 @@ def readme_blocks() -> list[Block]:
 
 
 def marks(mode: str) -> list:
-    if mode.startswith(SKIP):
-        return [pytest.mark.skip(reason=mode.removeprefix(SKIP))]
     if mode == "gpu":
         return [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
     return [pytest.mark.slow] if mode in ("slow", "isolated") else []
