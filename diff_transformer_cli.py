@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     command = args.command_parser
     if hasattr(args, "check"):
         args.check(args, command)
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
         pkgutil.resolve_name(args.run)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: what it stopped, in one line

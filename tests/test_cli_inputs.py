@@ -439,7 +439,8 @@ def test_saved_folder_serves_generate_defaults(trained):
     4-pair prompt): the tokenizer's special tokens and the context; no pickled training_args.bin beside the model."""
     generation = json.loads((trained / "generation_config.json").read_text())
     config = json.loads((trained / "config.json").read_text())
-    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": config["max_position_embeddings"]}
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                "max_length": config["max_position_embeddings"]}
     assert {key: generation.get(key) for key in expected} == expected, generation
     assert not (trained / "training_args.bin").exists(), sorted(p.name for p in trained.iterdir())
     tokenizer = AutoTokenizer.from_pretrained(trained)

@@ -454,7 +454,8 @@ def test_legacy_rope_config_formats_load_as_llama_reads_them(fields, tmp_path):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     shape = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, vocab_size=97)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "diff_transformer", **shape, **LEGACY_ROPE[fields]}))
+    config = {"model_type": "diff_transformer", **shape, **LEGACY_ROPE[fields]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     ours = AutoConfig.from_pretrained(tmp_path)
     llama = LlamaConfig(**{**shape, "num_attention_heads": 4}, **LEGACY_ROPE[fields])  # Llama's head_dim = our d = 16
     assert ours.rope_parameters == llama.rope_parameters
