@@ -85,13 +85,11 @@ def unilm_to_diff(state: dict, rope_theta: float = 10000.0, rms_norm_eps: float 
             rows = {"q_proj.weight": q_rows, "k_proj.weight": k_rows, "v_proj.weight": v_rows}.get(name)
             name = "o_proj.weight" if name == "out_proj.weight" else name
             target[f"{prefix}self_attn.{name}"] = value if rows is None else value[rows]
-    model = DiffForCausalLM._from_config(config, dtype=embed_dtype(state))
-    model.load_state_dict(target, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        target["lm_head.weight"] = target["model.embed_tokens.weight"]
+    model = DiffForCausalLM._from_config(config, dtype=state["model.embed_tokens.weight"].dtype)
+    model.load_state_dict(target, strict=True)
     return model.eval()
-
-
-def embed_dtype(state: dict) -> torch.dtype:
-    return state["model.embed_tokens.weight"].dtype
 
 
 def folded_rows(ours: torch.Tensor, rows: torch.Tensor, width: int, name: str) -> torch.Tensor:
