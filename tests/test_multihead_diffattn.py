@@ -327,3 +327,19 @@ def test_diff_gqa_model_exports_as_mha_with_copies_and_refuses_a_lossy_fold():
     assert diff.max() <= 1e-9, f"logits: max diff {diff.max().item():.3g}"
     with pytest.raises(ValueError, match="hold different weights"):
         diff_to_unilm(model, num_kv_heads=2)
+
+
+def test_tied_embeddings_convert_both_ways():
+    """A tied model exports without lm_head and imports back tied, with the same logits."""
+    from diff_transformer import DiffConfig, DiffForCausalLM
+    torch.manual_seed(0)
+    config = DiffConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    model = DiffForCausalLM(config).double().eval()
+    state = diff_to_unilm(model)
+    assert "lm_head.weight" not in state
+    back = unilm_to_diff(state)
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
