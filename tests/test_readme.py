@@ -289,8 +289,10 @@ def fresh_venvs(tmp_path_factory) -> Callable[[str], Path]:
             venv = tmp_path_factory.mktemp(f"venv-{extra or 'base'}")
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
             target = f"{ROOT}[{extra}]" if extra else str(ROOT)
-            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", target], check=True,
-                           capture_output=True, timeout=1800)
+            # torch first, as the README's main command installs it: the CPU build where the machine keeps one
+            for args in (["torch==2.13.0"], ["-e", target]):
+                subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args], check=True,
+                               capture_output=True, timeout=1800)
             pythons[extra] = venv / "bin" / "python"
         return pythons[extra]
 
