@@ -34,7 +34,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from types import SimpleNamespace
 from typing import Unpack
 
 import torch
@@ -55,6 +54,7 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto import AutoModel
+from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -157,8 +157,8 @@ class DiffLambda(nn.Module):
             return self.frozen
         return compute_lambda(self.q1, self.k1, self.q2, self.k2, self.lambda_init)
 
-    def extra_repr(self) -> str:
-        return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
+    def extra_repr(self) -> str:  # not lambda_init, which differs per layer: print(model) folds like Llama's
+        return f"head_dim={self.q1.numel()}"
 
 
 FREEZE_LOCK = threading.Lock()
@@ -452,7 +452,7 @@ class DiffStandardAttention(LlamaAttention):
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         widen = config.value_head_dim // config.head_dim
-        heads = SimpleNamespace(
+        heads = LlamaConfig(
             hidden_size=config.hidden_size, head_dim=config.head_dim, attention_dropout=0.0,
             num_attention_heads=config.num_attention_heads * widen,
             num_key_value_heads=config.num_key_value_heads * widen, attention_bias=config.attention_bias,

@@ -125,6 +125,15 @@ FAULTS = [
     Fault("V2 head pairs mis-grouped", MODELING,
           "attn = attn.view(*hidden_states.shape[:2], -1, 2, self.head_dim)  # [B, T, h, pair, d]",
           "attn = attn.view(*hidden_states.shape[:2], 2, -1, self.head_dim).transpose(2, 3)", V2_LAYER),
+    # Llama's inherited forward reads what Llama's __init__ sets; DiffModel builds its modules itself
+    Fault("DiffModel drops an attribute LlamaModel sets", MODELING,
+          "        self.gradient_checkpointing = False\n        self.post_init()\n\n    # LlamaModel's forward",
+          "        self.post_init()\n\n    # LlamaModel's forward",
+          ["tests/test_modeling.py::test_classes_hold_what_their_llama_parent_builds"]),
+    Fault("per-layer lambda_init in the layer repr", MODELING,
+          'return f"head_dim={self.q1.numel()}"',
+          'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
+          ["tests/test_modeling.py::test_print_folds_identical_layers_like_llama"]),
 ]
 
 
