@@ -6,19 +6,38 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs from `diff_transformer.tools.commands`."""
 
 import argparse
-import json
+import importlib
+import importlib.util
 import math
-import os
 import pkgutil
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
+from types import ModuleType
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 COMMANDS = "diff_transformer.tools.commands"  # where each command runs, imported after parsing
 MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type, without importing transformers
+
+
+def load_torch_free(name: str) -> ModuleType:
+    """The package's module `name` (one that imports the standard library only), without running
+    `diff_transformer/__init__.py`, which imports torch and transformers (seconds of CPU): read from its file and
+    registered under its own name, so that the package's code, once imported, shares this one module."""
+    if "diff_transformer" in sys.modules:  # torch is in already: the ordinary import
+        return importlib.import_module(name)
+    if name not in sys.modules:
+        package = importlib.util.find_spec("diff_transformer")  # finds the package without importing it
+        path = Path(package.origin).parent.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+folders = load_torch_free("diff_transformer.tools.folders")
 
 
 class Terminated(KeyboardInterrupt):
@@ -89,38 +108,11 @@ def percent(text: str) -> float:
     return float(text)
 
 
-def read_text_file(path: str | os.PathLike) -> str:
-    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing, a folder or not UTF-8
-    text."""
-    if Path(path).is_dir():
-        raise IsADirectoryError(f"{path} is a folder, not a text file; give one file (join several with `cat`)")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {path} (looked in {os.getcwd()})")
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
-        ) from None
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in `path`; `ValueError` naming the file and the position of the error when it is not one."""
-    try:
-        value = json.loads(read_text_file(path))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
-    return value
-
-
 def text_file(text: str) -> str:
     """A readable UTF-8 text file with some text in it (checked up front: training a tokenizer on anything else
     fails obscurely, or after seconds)."""
     try:
-        content = read_text_file(text)
+        content = folders.read_text_file(text)
     except (OSError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if not content.strip():
@@ -149,29 +141,21 @@ def model_type_problem(config: dict, folder: str, diff: bool) -> str | None:
 
 
 def folder_config(text: str, diff: bool = False) -> dict:
-    """config.json of a local folder written by save_pretrained, with a tokenizer and a model_type (of a DIFF
-    Transformer with `diff`)."""
-    folder = Path(text)
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
-    if not (folder / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text} has no config.json, so it is no saved model folder; "
-                                         f"model.save_pretrained({text!r}) writes one")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
-                                         f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
+    """config.json of a local folder written by save_pretrained, with a model_type (of a DIFF Transformer with
+    `diff`), a tokenizer and safetensors weights."""
     try:
-        config = read_json(folder / "config.json")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{error}; fix it, or save the model again with save_pretrained") from None
-    problem = model_type_problem(config, text, diff)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
+        config = folders.read_config(text)
+        if problem := model_type_problem(config, text, diff):
+            raise folders.FolderError(problem)
+        folders.check_files(text)
+    except folders.FolderError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return config
 
 
 def model_folder(text: str) -> str:
-    """A local folder written by save_pretrained: a readable config.json with a model_type, and a tokenizer."""
+    """A local folder written by save_pretrained: a readable config.json with a model_type, a tokenizer and
+    weights."""
     folder_config(text)
     return text
 
@@ -182,18 +166,10 @@ def diff_model_folder(text: str) -> str:
     return text
 
 
-def nearest_existing(path: Path) -> Path:
-    """`path` itself when it exists, else its closest existing parent."""
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def unwritable(folder: Path) -> str | None:
     """Why files cannot be written into `folder` (made with its parents where missing), or None: probed with a real
     file, which also finds read-only mounts."""
-    existing = nearest_existing(folder)
+    existing = folders.nearest_existing(folder)
     if not existing.is_dir():
         return f"{existing} is a file, so no folder can be made there"
     try:

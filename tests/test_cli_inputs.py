@@ -26,10 +26,12 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from safetensors.torch import load_file, save_file
 
 from diff_transformer import DiffForCausalLM
+from diff_transformer.serving import server
 from diff_transformer.tools import hub_upload
 from diff_transformer.tools.commands import prompt_tail
 from diff_transformer.tools.data import KeyValueTask
 from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+from diff_transformer.tools.folders import TOKENIZER_FILES
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
 
@@ -197,6 +199,56 @@ def test_bad_config_json_names_file_and_position(folders, tmp_path, capsys):
         assert f"{broken / 'config.json'} is not valid JSON: {position}; fix it, or save the model again" in line, line
     line = answer(["upload", str(broken), "user/model", "--dry-run"], capsys)
     assert f"{broken / 'config.json'} is not valid JSON: {position}" in line, line
+
+
+BROKEN_FOLDERS = {  # how a saved folder is broken: the start of the refusal, after the folder's name
+    "no-config": " has no config.json, so it is no saved model folder; model.save_pretrained(",
+    "config-not-json": "/config.json is not valid JSON: Expecting property name enclosed in double quotes at line 2 "
+                       "column 1; fix it, or save the model again with save_pretrained",
+    "no-tokenizer": f" has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the model's tokenizer there with ",
+    "no-weights": " has no safetensors weights; load the model and save it again with model.save_pretrained(",
+}
+
+
+def broken_copy(source: Path, folder: Path, case: str) -> Path:
+    shutil.copytree(source, folder)
+    if case == "no-config":
+        (folder / "config.json").unlink()
+    elif case == "config-not-json":
+        (folder / "config.json").write_text('{"model_type": "diff_transformer",\n')
+    for name in TOKENIZER_FILES if case == "no-tokenizer" else ():
+        (folder / name).unlink(missing_ok=True)  # tokenizer_config.json stays: settings, no vocabulary
+    for path in folder.glob("*.safetensors") if case == "no-weights" else ():
+        path.unlink()
+    return folder
+
+
+@pytest.mark.parametrize("case", BROKEN_FOLDERS)
+def test_cli_serve_and_upload_refuse_the_same_broken_folders(folders, tmp_path, capsys, case):
+    """The command line, `serve` and `upload` check a saved folder with the same functions
+    (diff_transformer/tools/folders.py): each refuses the same broken folder in the same line naming the fix."""
+    folder = broken_copy(folders / "diff", tmp_path / "model", case)
+    line = answer(["generate", str(folder), "--prompt", "x"], capsys)
+    with pytest.raises(ValueError) as served:
+        server.check_folder(str(folder))
+    with pytest.raises(hub_upload.UploadError) as uploaded:
+        hub_upload.check_inputs(folder, "user/model")
+    message = str(served.value)
+    assert message.startswith(f"{folder}{BROKEN_FOLDERS[case]}") and "\n" not in message, message
+    assert str(uploaded.value) == message and line.endswith(f"argument model: {message} (see diff-transformer "
+                                                            "generate --help)"), (line, str(uploaded.value))
+
+
+def test_folder_checks_import_no_torch(tmp_path):
+    """The command line loads the folder checks without torch, transformers, safetensors or the package's
+    __init__, from this checkout, as the module the package's code then shares."""
+    code = ("import sys, diff_transformer_cli\n"
+            "print(diff_transformer_cli.folders.__file__)\n"
+            "print(sys.modules['diff_transformer.tools.folders'] is diff_transformer_cli.folders)\n"
+            "print(sorted({'torch', 'transformers', 'safetensors', 'diff_transformer'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.stdout.split("\n")[:3] == [str(ROOT / "diff_transformer" / "tools" / "folders.py"), "True", "[]"], (
+        result.stdout, result.stderr[-2000:])
 
 
 def test_truncate_prompt_keeps_the_end_with_one_warning(folders, capsys):

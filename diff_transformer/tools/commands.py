@@ -29,11 +29,11 @@ from transformers import (
 )
 from transformers import dynamic_module_utils
 from transformers.utils import logging as hf_logging
-from diff_transformer_cli import nearest_existing
 
 from .. import DiffConfig, DiffForCausalLM
 from .callbacks import NonFiniteStopCallback
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
+from .folders import nearest_existing
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine

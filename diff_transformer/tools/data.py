@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from diff_transformer_cli import read_json, read_text_file  # torch-free: the CLI checks files with them
-
+from .folders import read_text_file
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
 
