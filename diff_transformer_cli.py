@@ -9,16 +9,16 @@ import argparse
 import importlib
 import importlib.util
 import math
-import pkgutil
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
-COMMANDS = "diff_transformer.tools.commands"  # where each command runs, imported after parsing
+COMMANDS = "diff_transformer.tools.commands"  # runs command NAME with its run_NAME, imported after parsing
 MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type, without importing transformers
 
 
@@ -282,7 +282,7 @@ def add_train_parser(commands, common) -> Parser:
                         help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the saved model in --output (refused without it)")
-    parser.set_defaults(run=f"{COMMANDS}:train", check=check_train_args)
+    parser.set_defaults(check=check_train_args)
     return parser
 
 
@@ -295,7 +295,6 @@ def add_generate_parser(commands, common) -> Parser:
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--truncate-prompt", action="store_true",
                         help="keep the end of a prompt too long for the model's context (refused without it)")
-    parser.set_defaults(run=f"{COMMANDS}:run_generate")
     return parser
 
 
@@ -310,7 +309,6 @@ def add_convert_parser(commands, common) -> Parser:
                         help="convert a sliding-window model anyway (outputs match only within the window)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype to load and save in ('auto': the checkpoint's)")
-    parser.set_defaults(run=f"{COMMANDS}:run_convert")
     return parser
 
 
@@ -331,7 +329,7 @@ def add_eval_needle_parser(commands, common) -> Parser:
     parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--output", default="runs/needle", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run=f"{COMMANDS}:run_eval_needle", check=check_output_prefix)
+    parser.set_defaults(check=check_output_prefix)
     return parser
 
 
@@ -350,7 +348,7 @@ def add_attention_noise_parser(commands, common) -> Parser:
                         help="needles in the context (at most one per built-in city)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="runs/attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run=f"{COMMANDS}:run_attention_noise", check=check_output_prefix)
+    parser.set_defaults(check=check_output_prefix)
     return parser
 
 
@@ -364,7 +362,6 @@ def add_outliers_parser(commands, common) -> Parser:
     parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")
     parser.add_argument("--top-k", type=positive_int, default=3, help="largest magnitudes to report")
     parser.add_argument("--seed", type=int, default=0, help="seed of the probe text")
-    parser.set_defaults(run=f"{COMMANDS}:run_outliers")
     return parser
 
 
@@ -377,7 +374,6 @@ def add_upload_parser(commands, common) -> Parser:
     parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
-    parser.set_defaults(run=f"{COMMANDS}:run_upload")
     return parser
 
 
@@ -396,16 +392,24 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
     parser.verbatim_options = ("--vllm-args",)
-    parser.set_defaults(run="diff_transformer.serving:serve")
     return parser
+
+
+# The commands, in the order --help lists them: each adds its parser, named NAME, and runs as COMMANDS's run_NAME.
+PARSERS = (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
+           add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser)
+
+
+def runner(command: str) -> Callable[[argparse.Namespace], None]:
+    """The function that runs `command`: `run_<command>` of `COMMANDS` (imported here, with torch)."""
+    return getattr(importlib.import_module(COMMANDS), f"run_{command.replace('-', '_')}")
 
 
 def build_parser() -> Parser:
     parser = Parser(prog="diff-transformer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
     common = common_options()
-    for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
-                add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser):
+    for add in PARSERS:
         command = add(commands, common)
         command.set_defaults(command_parser=command)
     return parser
@@ -419,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
-        pkgutil.resolve_name(args.run)(args)
+        runner(args.command)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: what it stopped, in one line
         if args.debug:
             raise

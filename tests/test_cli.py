@@ -10,8 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer_cli import main
-
+from diff_transformer_cli import PARSERS, build_parser, main, runner
 
 
 def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
@@ -33,6 +32,15 @@ def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
 def generated_line(output: str) -> str:
     """The text after the last "generated: ", which may span lines; print's closing newline dropped."""
     return output.rsplit("generated: ", 1)[1].removesuffix("\n")
+
+
+def test_each_command_has_one_parser_and_one_runner():
+    """PARSERS is the one table of commands: each adds one subcommand, which runs as run_<name> of the commands
+    module."""
+    names = list(build_parser()._subparsers._group_actions[0].choices)
+    assert len(names) == len(PARSERS) == len(set(names)), names
+    for name in names:
+        assert runner(name).__name__ == f"run_{name.replace('-', '_')}", name
 
 
 def test_train_default_task_then_generate(tmp_path, capsys):

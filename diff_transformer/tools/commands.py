@@ -1,5 +1,6 @@
 """What each `diff-transformer` command does, once `diff_transformer_cli` has parsed and checked its arguments:
-train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload and serve."""
+train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload and serve. Command NAME runs as
+`run_NAME` (dashes as underscores)."""
 
 import argparse
 import json
@@ -323,7 +324,7 @@ def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
     (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def train(args: argparse.Namespace) -> None:
+def run_train(args: argparse.Namespace) -> None:
     output = Path(args.output)
     existing, staging = nearest_existing(output), staging_folder(output)
     set_seed(args.seed)
@@ -498,3 +499,8 @@ def run_upload(args: argparse.Namespace) -> None:
 
     publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
 
+
+def run_serve(args: argparse.Namespace) -> None:
+    from ..serving import serve
+
+    serve(args)
