@@ -544,6 +544,10 @@ RETRIEVAL_ONLY = ("steps", "batch", "lr", "schedule", "context", "needles", "que
                   "eval_samples")
 
 
+# Corpora the reports name by their sha256 (docs/evaluation.md says where to get them).
+KNOWN_CORPORA = {"86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed": "tiny Shakespeare"}
+
+
 @functools.cache
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -853,12 +857,13 @@ def plot_maps(rows: list[dict], path: Path) -> None:
 def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     # what the runs depend on (not jobs, threads, folders, --from-saved: a report is the same whichever call wrote it);
-    # the corpus by name and content, not by where this machine keeps it
+    # the corpus by its content, not by the name or folder this machine keeps it under
     ignored = (RUN_INDEPENDENT + (TEXT_ONLY if "text" not in args.tasks else ())
                + (RETRIEVAL_ONLY if "retrieval" not in args.tasks else ()))
     settings = {k: v for k, v in vars(args).items() if k not in ignored}
     if "data" in settings:
-        settings["data"] = (f"{args.data.name} (sha256 {file_sha256(args.data.resolve())})" if args.data.is_file()
+        digest = file_sha256(args.data.resolve()) if args.data.is_file() else None
+        settings["data"] = (f"{KNOWN_CORPORA.get(digest, 'a text file')} (sha256 {digest})" if digest
                             else f"{args.data.name} (not found: no text runs)")
     report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
               f"run time: the {len(rows)} runs took {sum(r['seconds'] for r in rows) / 60:.1f} min of one process "
