@@ -5,7 +5,6 @@ check the plumbing of the README's main job, not how well it learns."""
 import re
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

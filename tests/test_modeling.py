@@ -14,7 +14,6 @@ from helpers import (
     PADDED,
     NONDEGENERATE,
     STACKS,
-    TOLERANCES,
     assert_decode_matches_full_forward,
     assert_close,
     assert_grads_close,

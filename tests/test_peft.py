@@ -3,7 +3,6 @@ tuning on every attention stack (its virtual-token cache in the shapes DIFF laye
 the installed peft, on a DIFF model and an equal-size Llama side by side: one training step, gradients on exactly the
 adapter's parameters, adapter save / load, and merged weights against the adapter."""
 
-import dataclasses
 import warnings
 
 import pytest

@@ -36,7 +36,7 @@ def check_folder(folder: str) -> DiffConfig:
 
 def folder_dtype(folder: str) -> str:
     """The dtype config.json records (transformers' `dtype`, formerly `torch_dtype`); float32 when it says none."""
-    fields = json.loads((Path(folder) / "config.json").read_text())
+    fields = read_config(folder)
     return str(fields.get("dtype") or fields.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
@@ -91,7 +91,7 @@ def check_request(args: argparse.Namespace, cpu: bool) -> tuple[str, argparse.Na
     options = vllm_options(shlex.split(args.vllm_args))
     if options.enable_lora or options.lora_modules:
         raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
-    widths = check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
+    check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
     dtype = serving_dtype(args, cpu)
     if not cpu:
         gpu_dtype = {"auto": "float16" if folder_dtype(args.model) == "float16" else "bfloat16",
