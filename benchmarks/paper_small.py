@@ -56,7 +56,7 @@ from transformers import (
 from transformers.models.diffllama import modeling_diffllama
 from transformers.models.llama import modeling_llama
 
-from diff_transformer import DiffConfig, DiffForCausalLM, modeling_diff
+from diff_transformer import DiffConfig, DiffForCausalLM, attention_kernels
 from diff_transformer.tools.data import text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
@@ -312,18 +312,18 @@ def quantized_eager_attention(original: Callable, bits: int | None) -> Callable:
 @contextmanager
 def quantized_attention_logits(model, bits: int | None) -> Iterator[None]:
     """Inside the block, the eager attention of every model fake-quantizes its pre-softmax logits to `bits`, one
-    scale per attention call: DIFF through `modeling_diff.masked_scores` (called once per branch, [B, h, T, S]),
+    scale per attention call: DIFF through `attention_kernels.masked_scores` (called once per branch, [B, h, T, S]),
     Llama and DiffLlama through their module's `eager_attention_forward` (DiffLlama's [B, 2h, T, S] holds both
     branches). The functions are swapped in the modules for the block and restored after, even on error."""
     implementation = model.config._attn_implementation
     if implementation != "eager":
         raise ValueError(f"quantized_attention_logits needs eager attention, the model runs '{implementation}': "
                          'load it with attn_implementation="eager"')
-    masked_scores = modeling_diff.masked_scores
-    originals = [(modeling_diff, "masked_scores", masked_scores)]
+    masked_scores = attention_kernels.masked_scores
+    originals = [(attention_kernels, "masked_scores", masked_scores)]
     originals += [(module, "eager_attention_forward", module.eager_attention_forward)
                   for module in (modeling_llama, modeling_diffllama)]
-    modeling_diff.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
+    attention_kernels.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
     for module, name, original in originals[1:]:
         setattr(module, name, quantized_eager_attention(original, bits))
     try:

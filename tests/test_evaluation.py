@@ -348,7 +348,7 @@ def test_paper_small_quantization_hooks_change_the_loss():
     16 bits changes it by < 1e-3, 2 bits by more than 0.1; the original functions are back after the block."""
     benchmark = load_paper_small()
     ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
-    originals = (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward)
+    originals = (benchmark.attention_kernels.masked_scores, modeling_llama.eager_attention_forward)
     for name, model in fitted_models(benchmark, ids).items():
         def loss() -> float:
             with torch.no_grad():
@@ -366,7 +366,7 @@ def test_paper_small_quantization_hooks_change_the_loss():
             assert abs(fine) < 1e-3, f"{name} {kind} at 16 bits: loss changes by {fine:.3e}"
             assert abs(coarse) > 0.1, f"{name} {kind} at 2 bits: loss changes by only {coarse:.3e}"
         assert loss() == base, f"{name}: a quantization hook outlived its block"
-    assert (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward) == originals
+    assert (benchmark.attention_kernels.masked_scores, modeling_llama.eager_attention_forward) == originals
     with pytest.raises(ValueError, match="needs eager attention"):
         model.set_attn_implementation("sdpa")
         with benchmark.quantized_attention_logits(model, 8):

@@ -22,7 +22,7 @@ from helpers import assert_close, build_stack
 from test_client_folder import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
-from diff_transformer.modeling_diff import DIFF_FLASH, select_kernel
+from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"
 spec = importlib.util.spec_from_file_location("kernel_fit", SCRIPT)
@@ -207,8 +207,9 @@ def test_a_saved_folder_ships_the_tile_table(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
         modeling = sys.modules[type(model).__module__]
-        kernel = sys.modules[modeling.__name__.rpartition(".")[0] + ".kernel_diff_flash"]
-        assert modeling.diff_flash_attention is not None
+        package = modeling.__name__.rpartition(".")[0]
+        kernel = sys.modules[package + ".kernel_diff_flash"]
+        assert sys.modules[package + ".attention_kernels"].diff_flash_attention is not None
         print("TILES", kernel.tile_config("dkdv", 128, 128, "float16", 89, masked=True))
     """, tmp_path)
     assert f"TILES {kernels.tile_config('dkdv', 128, 128, torch.float16, 89, masked=True)}" in out, out[-3000:]

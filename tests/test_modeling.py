@@ -33,7 +33,8 @@ from helpers import (
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import BRANCH_MAPS, compute_lambda, eager_diff_attention, frozen_lambdas
+from diff_transformer.attention_kernels import BRANCH_MAPS, eager_diff_attention
+from diff_transformer.modeling_diff import compute_lambda, frozen_lambdas
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
