@@ -9,7 +9,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -471,27 +471,42 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
     return models
 
 
+def write_report(table: str, output: str, plot: Callable[[str], bool]) -> None:
+    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed."""
+    print(table)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{output}.md").write_text(table + "\n")
+    if plot(f"{output}.png"):
+        print(f"wrote {output}.md and {output}.png")
+    else:
+        print(f"wrote {output}.md; matplotlib is not installed, so no {output}.png (pip install matplotlib)")
+
+
 def run_eval_needle(args: argparse.Namespace) -> None:
-    from .evaluation import NeedleSettings, run_needle_cli
+    from .evaluation import NeedleSettings, needle_accuracy, needle_table, needle_title, save_heatmap
 
     settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
                               queries=args.queries, samples=args.samples, seed=args.seed)
     check_context(args.model, max(args.lengths), f"--lengths {' '.join(map(str, args.lengths))}")
     model, tokenizer = load_checked_model(args.model).eval(), load_tokenizer(args.model)
     set_threads(args.threads, model)
-    run_needle_cli(model, tokenizer, Path(args.model).name, settings, args.output)
+    results = needle_accuracy(model, tokenizer, settings, progress=True)
+    name = Path(args.model).name
+    write_report(needle_table(results, settings, name), args.output,
+                 lambda path: save_heatmap(results, settings, path, needle_title(settings, name)))
 
 
 def run_attention_noise(args: argparse.Namespace) -> None:
-    from .evaluation import run_attention_noise_cli
+    from .evaluation import attention_noise_reports, noise_table, save_noise_plot
 
-    run_attention_noise_cli(load_models(args, "eager"), args.length, args.needles, args.seed, args.output)
+    reports = attention_noise_reports(load_models(args, "eager"), args.length, args.needles, args.seed)
+    write_report(noise_table(reports), args.output, lambda path: save_noise_plot(reports, path))
 
 
 def run_outliers(args: argparse.Namespace) -> None:
-    from .evaluation import run_outliers_cli
+    from .evaluation import outlier_reports, outlier_table
 
-    run_outliers_cli(load_models(args, "sdpa"), args.length, args.top_k, args.seed)
+    print(outlier_table(outlier_reports(load_models(args, "sdpa"), args.length, args.top_k, args.seed)))
 
 
 def run_upload(args: argparse.Namespace) -> None:
