@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from test_client_folder import client_results, run_without_package
-from test_pipeline import save_tiny_folder
+from test_generation import save_tiny_folder
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools import hub_upload
