@@ -37,7 +37,7 @@ DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward"
               "test_cache_under_a_foreign_name_raises", "test_output_carries_the_cache_where_transformers_llama_does",
               "test_past_key_values_warns_where_transformers_renamed_it")),
           "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
-TRAINING = ["tests/test_trainer.py::test_trainer_gradients_equal_a_plain_backward"]
+TRAINING = ["tests/test_training.py::test_trainer_gradients_equal_a_plain_backward"]
 
 
 class Fault(NamedTuple):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import make_trainer
+from test_training import make_trainer
 from transformers import AutoTokenizer
 
 from diff_transformer import DiffForCausalLM

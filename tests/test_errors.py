@@ -17,12 +17,10 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    TrainerState,
 )
 from transformers.utils import logging as transformers_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM, capture_branch_attentions
-from diff_transformer.tools.callbacks import LambdaLoggingCallback
 from diff_transformer.tools.data import KeyValueTask, text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
@@ -217,16 +215,6 @@ def test_pipeline_without_the_package_is_explained(folders):
     rows = [row for row in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines()
             if "contains custom code which must be executed" in row]
     assert len(rows) == 1 and "import diff_transformer" in rows[0] and "trust_remote_code=True" in rows[0], rows
-
-
-def test_probe_may_be_a_tensor():
-    model = DiffForCausalLM(tiny_config())
-    logs = {}
-    LambdaLoggingCallback(probe=torch.randint(3, 97, (2, 8))).on_log(None, TrainerState(), None, logs=logs,
-                                                                    model=model)
-    assert set(logs) >= {"lambda/layer_0", "attn_entropy/layer_1/branch_2"}, sorted(logs)
-    with pytest.raises(ValueError, match="probe must be token ids"):
-        LambdaLoggingCallback(probe={"ids": torch.ones(1, 2)})
 
 
 @pytest.mark.slow
