@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from diff_transformer import DiffConfig, DiffForCausalLM, capture_branch_attentions
+from diff_transformer import DiffForCausalLM, capture_branch_attentions
 from diff_transformer.tools.data import KeyValueTask, text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
@@ -127,20 +127,6 @@ def test_tables_without_matplotlib_and_progress(folders, tmp_path, capsys, monke
     assert (tmp_path / "needle.md").is_file() and not (tmp_path / "needle.png").exists()
 
 
-@pytest.mark.parametrize("path", ["./typo", "typo", "runs/typo", "/no/such/folder"])
-def test_missing_local_folder_is_not_asked_of_the_hub(tmp_path, monkeypatch, path):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "runs").mkdir()  # so "runs/typo" is plainly local
-    for load in (DiffForCausalLM.from_pretrained, DiffConfig.from_pretrained):
-        with pytest.raises(FileNotFoundError, match=f"no such folder: {path} "):
-            load(path)
-
-
-def test_other_architecture_points_to_convert(folders):
-    with pytest.raises(ValueError, match=r"holds a 'llama' model, not a DIFF Transformer .*diff-transformer convert"):
-        DiffForCausalLM.from_pretrained(folders / "llama")
-
-
 def test_needle_settings_and_prompts():
     for fields, message in [({"needles": 50}, f"needles must be between 1 and {len(CITIES)}"),
                             ({"needles": 2, "queries": 3}, "queries must be between 1 and needles"),
@@ -184,37 +170,6 @@ def test_data_mistakes(folders, tmp_path, capfd):
     finally:
         transformers_logging.set_verbosity_error()
     assert len(blocks) > 10 and "indexing errors" not in capfd.readouterr().err
-
-
-def test_unknown_attention_names_diff_flash(folders):
-    """transformers' list of its backends, and ours, which it lacks."""
-    with pytest.raises(ValueError, match=r'"flashh"` is not supported\. The only possible arguments are .*sdpa.*\. The '
-                                         r'DIFF Transformer adds `attn_implementation="diff_flash"`'):
-        DiffForCausalLM.from_pretrained(folders / "diff", attn_implementation="flashh")
-
-
-PIPELINE_WITHOUT_IMPORT = """
-import sys
-from transformers import pipeline
-try:
-    pipeline("text-generation", model=sys.argv[1])
-except ValueError as error:
-    print("ANSWER", " ".join(str(error).split()))
-"""
-
-
-def test_pipeline_without_the_package_is_explained(folders):
-    """`pipeline(model=FOLDER)` without `import diff_transformer`: transformers refuses the folder's remote code (after
-    asking on a terminal); its message offers trust_remote_code=True only, so the troubleshooting page names the other
-    way, `import diff_transformer`, for that message."""
-    result = subprocess.run([sys.executable, "-c", PIPELINE_WITHOUT_IMPORT, str(folders / "diff")],
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}, cwd=folders)
-    answer = result.stdout.split("ANSWER ", 1)[-1]
-    assert "contains custom code which must be executed" in answer and "trust_remote_code=True" in answer, result
-    rows = [row for row in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines()
-            if "contains custom code which must be executed" in row]
-    assert len(rows) == 1 and "import diff_transformer" in rows[0] and "trust_remote_code=True" in rows[0], rows
 
 
 @pytest.mark.slow
