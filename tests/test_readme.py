@@ -1,4 +1,4 @@
-"""Every code block of the README and of the docs pages runs as written, on its own (issues #18, #30, #33).
+"""Every code block of the README and of the docs pages runs as written, on its own.
 
 Each block runs in its own process and its own working folder, as a reader who opens a page at that block would run
 it: a Python block in a fresh interpreter, a bash block in a fresh shell. The folder holds what the pages say the
