@@ -34,8 +34,12 @@ LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
 V2_LAYER = ["tests/test_v2.py::test_v2_attention_matches_reference"]
 BACKENDS = ["tests/test_backends.py::test_loss_and_all_gradients_match_eager"]
 DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward",
-          "tests/test_cache_compat.py", "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
-TRAINING = ["tests/test_trainer.py::test_trainer_gradients_equal_a_plain_backward"]
+          *(f"tests/test_generation.py::{name}" for name in (  # the cache under either argument name
+              "test_cache_under_either_name_continues_the_sequence", "test_both_names_at_once_are_never_silent",
+              "test_cache_under_a_foreign_name_raises", "test_output_carries_the_cache_where_transformers_llama_does",
+              "test_past_key_values_warns_where_transformers_renamed_it")),
+          "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
+TRAINING = ["tests/test_training.py::test_trainer_gradients_equal_a_plain_backward"]
 
 
 class Fault(NamedTuple):

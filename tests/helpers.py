@@ -322,3 +322,48 @@ def assert_decode_matches_full_forward(model, reference, prompts: list[torch.Ten
         cached = torch.stack([step_logits[i] for step_logits in out.logits])  # [steps, vocab]
         assert_close(cached, full, torch.float32, f"{what}: prompt {i}, cached decode vs full forward logits",
                      "backend")
+
+
+SAVED_FOLDERS = ("diff", "word", "no-tokenizer", "gpt2", "llama", "binary.bin")
+
+
+def saved_folders(root: os.PathLike, names: tuple[str, ...] = SAVED_FOLDERS) -> os.PathLike:
+    """Folders a user may point the package at, under `root` (the error-message tests' fixtures): diff (a DIFF model
+    with an English BPE tokenizer), word (one with the synthetic task's word-level tokenizer), no-tokenizer, gpt2,
+    llama, and a binary file, binary.bin; only those in `names`."""
+    from pathlib import Path
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from diff_transformer import DiffForCausalLM
+    from diff_transformer.tools.data import KeyValueTask
+    from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+    from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+
+    def save_diff(path: Path, tokenizer) -> Path:
+        DiffForCausalLM(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=512)).save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+
+    root = Path(root)
+    if {"diff", "gpt2"} & set(names):
+        texts = list(FILLER) * 20 + [needle(c, str(1000 + i)) for i, c in enumerate(CITIES)] * 3
+        english = train_bpe_tokenizer(texts=texts + [f"What is the magic number of {c}?" for c in CITIES],
+                                      vocab_size=400)
+    if "diff" in names:
+        save_diff(root / "diff", english)
+    if "word" in names:
+        save_diff(root / "word", KeyValueTask().tokenizer())
+    if "no-tokenizer" in names:
+        DiffForCausalLM(tiny_config()).save_pretrained(root / "no-tokenizer")
+    if "gpt2" in names:
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(english))).save_pretrained(
+            root / "gpt2")
+        english.save_pretrained(root / "gpt2")
+    if "llama" in names:
+        LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2)).save_pretrained(root / "llama")
+    if "binary.bin" in names:
+        (root / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    return root

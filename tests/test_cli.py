@@ -1,6 +1,8 @@
-"""The `diff-transformer` command line (issue #2): `train` saves a folder that reloads through the Auto classes and
-`generate` continues a prompt with it, on the built-in retrieval task and on a user's text file. Short runs: these
-check the plumbing of the README's main job, not how well it learns."""
+"""The command line at work: each command's parser and runner, `train` then `generate`.
+
+`train` saves a folder that reloads through the Auto classes and `generate` continues a prompt with it, on the built-in
+retrieval task and on a user's text file. Short runs: these check the plumbing of the README's main job, not how well it
+learns. What the commands refuse: test_cli_inputs.py."""
 
 import re
 from pathlib import Path

@@ -1,7 +1,8 @@
-"""Tensor parallelism (issue #19): `from_pretrained(folder, tp_plan="auto")` on 2 CPU processes (torchrun, gloo) gives
-one process's logits, losses, accumulated gradients (gathered) and greedy tokens (dynamic and static cache), and each
-rank holds the rows of docs/design.md §8: whole differential heads. MHA and GQA; V1, V2 and a hybrid stack; Llama as
-the control."""
+"""Tensor parallelism: `from_pretrained(tp_plan="auto")` on 2 processes against one (not in the floor pass).
+
+`from_pretrained(folder, tp_plan="auto")` on 2 CPU processes (torchrun, gloo) gives one process's logits, losses,
+accumulated gradients (gathered) and greedy tokens (dynamic and static cache), and each rank holds the rows of
+docs/design.md §8: whole differential heads. MHA and GQA; V1, V2 and a hybrid stack; Llama as the control."""
 
 from pathlib import Path
 
