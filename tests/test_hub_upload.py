@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_client_folder import client_results, run_without_package
+from test_saved_folder import client_results, run_without_package
 from test_generation import save_tiny_folder
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
