@@ -442,8 +442,12 @@ def _mask_args(mask: Tensor | None, shape: tuple[int, int, int, int], like: Tens
 
 
 class DiffFlashAttentionFunction(torch.autograd.Function):
+    """Packed q and k in, their gradients packed out: one copy of dq and of dk, where autograd through the branch
+    views would zero-fill a full-size gradient per view and add the two."""
+
     @staticmethod
-    def forward(ctx, q1, q2, k1, k2, v, lam, scaling, causal, mask):
+    def forward(ctx, q, k, v, lam, scaling, causal, mask):
+        q1, q2, k1, k2 = split_branches(q, k)  # [B, h, T, d], [B, h_kv, S, d]: views
         B, h, T, d = q1.shape
         _, h_kv, S, dv = v.shape
         lam32 = lam.detach().to(device=q1.device, dtype=torch.float32).reshape(())
@@ -461,13 +465,14 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
             HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
             num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
         )
-        ctx.save_for_backward(q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2)
+        ctx.save_for_backward(q, k, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
+        q, k, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
+        q1, q2, k1, k2 = split_branches(q, k)
         B, h, T, d = q1.shape
         _, h_kv, S, dv = v.shape
         do = grad_out.to(q1.dtype)
@@ -497,7 +502,9 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
             *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
         )
-        return dq1, dq2, dk1, dk2, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
+        dq = torch.cat([dq1, dq2], dim=1)  # [B, 2h, T, d], halves order
+        dk = torch.cat([dk1, dk2], dim=-1)  # [B, h_kv, S, 2d] = (k1 | k2)
+        return dq, dk, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
 
 
 def diff_flash_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: float, causal: bool = True,
@@ -505,6 +512,5 @@ def diff_flash_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: 
     """softmax(scaling q1 k1^T + mask) v - lam softmax(scaling q2 k2^T + mask) v in one pass, packed layout in and
     out (see the module docstring). Returns [B, T, h, dv] in the input dtype. Differentiable in q, k, v and lam."""
     _check_inputs(q, k, v)
-    q1, q2, k1, k2 = split_branches(q, k)  # [B, h, T, d], [B, h_kv, S, d]: views
-    out = DiffFlashAttentionFunction.apply(q1, q2, k1, k2, v, lam, float(scaling), bool(causal), mask)
+    out = DiffFlashAttentionFunction.apply(q, k, v, lam, float(scaling), bool(causal), mask)
     return out.transpose(1, 2)  # [B, h, T, dv] -> [B, T, h, dv]

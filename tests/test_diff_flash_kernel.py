@@ -99,4 +99,5 @@ def test_rejects_unpacked_keys():
     q = torch.zeros(1, 4, 8, 16, device=DEVICE)
     k = torch.zeros(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"expected \[B, h_kv, S, 2d\]"):
-        diff_flash_attention(q, k, torch.zeros(1, 2, 8, 32, device=DEVICE), torch.tensor(0.5), scaling=0.25)
+        diff_flash_attention(q, k, torch.zeros(1, 2, 8, 32, device=DEVICE), torch.tensor(0.5, device=DEVICE),
+                             scaling=0.25)
