@@ -90,21 +90,33 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
+HEAD_CONTROLS = ("Llama-h", "DIFF-2h")  # each model with the other's head count, at its own model's learning rate
+
+
+def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
+    """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the controls swap
+    the head count at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2)."""
+    d = cfg["head_dim"]
+    h = cfg["hidden"] // (2 * d)
+    return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d),
+            "Llama-h": ("Llama", h, 2 * d), "DIFF-2h": ("DIFF", 2 * h, d // 2)}[name]
+
+
 def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
-    """DIFF with h = H / (2d) heads of q/k dim d (values 2d) or Llama with 2h heads of dim d; same everything else."""
+    """A model of `head_layout(name)`; every projection the same shape, same everything else."""
     from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
     from diff_transformer import DiffConfig, DiffForCausalLM
 
-    h = cfg["hidden"] // (2 * cfg["head_dim"])
+    family, heads, head_dim = head_layout(name, cfg)
     shared = dict(vocab_size=256, hidden_size=cfg["hidden"], intermediate_size=cfg["hidden"] * 8 // 3 // 16 * 16,
                   num_hidden_layers=cfg["layers"], max_position_embeddings=cfg["context"], tie_word_embeddings=True,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     set_seed(seed)
-    if name == "DIFF":
-        config = DiffConfig(**shared, num_attention_heads=h, head_dim=cfg["head_dim"])
+    if family == "DIFF":
+        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim)
         return DiffForCausalLM._from_config(config, attn_implementation="sdpa")
-    config = LlamaConfig(**shared, num_attention_heads=2 * h, num_key_value_heads=2 * h, head_dim=cfg["head_dim"])
+    config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
@@ -316,6 +328,38 @@ def cross_line(results: dict) -> list[str]:
             + "; ".join(cells) + "."]
 
 
+def paired_gap(a: list[float], b: list[float]) -> str:
+    """a - b per seed: mean +- sd and the 90% t interval of the mean."""
+    gaps = [x - y for x, y in zip(a, b)]
+    low, high = t_interval(gaps) or [math.nan, math.nan]
+    return f"{np.mean(gaps):+.4f} +- {np.std(gaps, ddof=1) if len(gaps) > 1 else 0.0:.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def control_lines(results: dict) -> list[str]:
+    """The head-count control: each model with the other's head count (same projection shapes, its own model's
+    learning rate), final validation losses paired by seed."""
+    cfg, runs = results["config"], results["runs"]
+    if "controls" not in runs:
+        return []
+    finals = {m: [(runs["main"] if m in MODELS else runs["controls"])[m][str(s)]["curve"][-1]["val_loss"]
+                  for s in cfg["seeds"]] for m in MODELS + HEAD_CONTROLS}
+    lines = ["", "## Head-count control", "",
+             "DIFF has half Llama's attention maps (h differential heads against 2h heads). Each model again with the "
+             "other's head count, the same projection shapes and its own model's learning rate:", "",
+             "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
+             "|---|---|---|---|---|---|"]
+    for m in MODELS + HEAD_CONTROLS:
+        family, heads, dim = head_layout(m, cfg)
+        lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {results['lr'][family]:g} | "
+                     + ", ".join(f"{v:.4f}" for v in finals[m])
+                     + f" | {np.mean(finals[m]):.4f} +- {np.std(finals[m], ddof=1):.4f} |")
+    pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
+             ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h")]
+    lines += ["", "Paired differences of the final validation loss (mean +- sd over seeds [90% t interval]):", ""]
+    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs]
+    return lines
+
+
 def render(results: dict) -> str:
     """report.md, a pure function of results.json."""
     cfg, corpus, runs = results["config"], results["corpus"], results["runs"]
@@ -387,6 +431,7 @@ def render(results: dict) -> str:
         "- Training time per run on one CPU core (one thread, evaluations included): "
         + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
         + ".",
+        *control_lines(results),
         "",
         "## Validation loss along training (mean over seeds)",
         "",
@@ -482,9 +527,11 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
     # a check on the choice of learning rate: each model at the other's, first seed, full budget
     other = {"DIFF": lr["Llama"], "Llama": lr["DIFF"]}
     cross = {m: run(m, other[m], cfg["seeds"][0], cfg["steps"]) for m in MODELS}
+    controls = {m: {str(s): run(m, lr[head_layout(m, cfg)[0]], s, cfg["steps"]) for s in cfg["seeds"]}
+                for m in HEAD_CONTROLS}
     return {"config": cfg, "corpus": corpus, "quick": quick, "lr": lr, "fit_skip": skip,
-            "parameters": {m: parameter_count(m, cfg) for m in MODELS},
-            "runs": {"sweep": sweep, "main": main, "cross": cross}}
+            "parameters": {m: parameter_count(m, cfg) for m in MODELS + HEAD_CONTROLS},
+            "runs": {"sweep": sweep, "main": main, "cross": cross, "controls": controls}}
 
 
 def main() -> None:
