@@ -90,16 +90,18 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
-HEAD_CONTROLS = ("Llama-h", "DIFF-2h")  # each model with the other's head count, at its own model's learning rate
+CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0")  # run at their own family's learning rate, every seed
+LAMBDA_ZERO = dict(lambda_init=0.0, lambda_std_dev=0.0)  # zero vectors get no gradient: lambda stays 0
 
 
 def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
-    """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the controls swap
-    the head count at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2)."""
+    """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the head-count
+    controls swap that at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2);
+    DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN)."""
     d = cfg["head_dim"]
     h = cfg["hidden"] // (2 * d)
-    return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d),
-            "Llama-h": ("Llama", h, 2 * d), "DIFF-2h": ("DIFF", 2 * h, d // 2)}[name]
+    return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d), "Llama-h": ("Llama", h, 2 * d),
+            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d)}[name]
 
 
 def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
@@ -114,7 +116,8 @@ def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     set_seed(seed)
     if family == "DIFF":
-        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim)
+        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim,
+                            **(LAMBDA_ZERO if name == "DIFF-lambda0" else {}))
         return DiffForCausalLM._from_config(config, attn_implementation="sdpa")
     config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
@@ -336,27 +339,32 @@ def paired_gap(a: list[float], b: list[float]) -> str:
 
 
 def control_lines(results: dict) -> list[str]:
-    """The head-count control: each model with the other's head count (same projection shapes, its own model's
-    learning rate), final validation losses paired by seed."""
+    """The controls (CONTROLS, each at its own family's learning rate), final validation losses paired by seed."""
     cfg, runs = results["config"], results["runs"]
-    if "controls" not in runs:
+    names = [m for m in CONTROLS if m in runs.get("controls", {})]
+    if not names:
         return []
     finals = {m: [(runs["main"] if m in MODELS else runs["controls"])[m][str(s)]["curve"][-1]["val_loss"]
-                  for s in cfg["seeds"]] for m in MODELS + HEAD_CONTROLS}
-    lines = ["", "## Head-count control", "",
-             "DIFF has half Llama's attention maps (h differential heads against 2h heads). Each model again with the "
-             "other's head count, the same projection shapes and its own model's learning rate:", "",
+                  for s in cfg["seeds"]] for m in (*MODELS, *names)}
+    lines = ["", "## Controls: head count and lambda", "",
+             "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
+             "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
+             "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. Each runs at "
+             "its own family's learning rate:", "",
              "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
              "|---|---|---|---|---|---|"]
-    for m in MODELS + HEAD_CONTROLS:
+    for m in (*MODELS, *names):
         family, heads, dim = head_layout(m, cfg)
         lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {results['lr'][family]:g} | "
                      + ", ".join(f"{v:.4f}" for v in finals[m])
                      + f" | {np.mean(finals[m]):.4f} +- {np.std(finals[m], ddof=1):.4f} |")
     pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
-             ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h")]
+             ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
+             ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
+             ("DIFF-lambda0", "Llama-h", "h softmax heads each: q/k dim d with SubLN against q/k dim 2d")]
     lines += ["", "Paired differences of the final validation loss (mean +- sd over seeds [90% t interval]):", ""]
-    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs]
+    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs
+              if a in finals and b in finals]
     return lines
 
 
@@ -528,9 +536,9 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
     other = {"DIFF": lr["Llama"], "Llama": lr["DIFF"]}
     cross = {m: run(m, other[m], cfg["seeds"][0], cfg["steps"]) for m in MODELS}
     controls = {m: {str(s): run(m, lr[head_layout(m, cfg)[0]], s, cfg["steps"]) for s in cfg["seeds"]}
-                for m in HEAD_CONTROLS}
+                for m in CONTROLS}
     return {"config": cfg, "corpus": corpus, "quick": quick, "lr": lr, "fit_skip": skip,
-            "parameters": {m: parameter_count(m, cfg) for m in MODELS + HEAD_CONTROLS},
+            "parameters": {m: parameter_count(m, cfg) for m in MODELS + CONTROLS},
             "runs": {"sweep": sweep, "main": main, "cross": cross, "controls": controls}}
 
 

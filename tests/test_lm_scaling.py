@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_scaling.py"
 spec = importlib.util.spec_from_file_location("lm_scaling", SCRIPT)
@@ -146,11 +147,11 @@ def test_runs_are_stored_once_per_settings_and_corpus(tmp_path):
 
 def test_head_count_control_gaps_by_hand():
     results = fake_results()
-    finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0)}
+    finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0)}
     results["runs"]["controls"] = {m: {str(s): {"curve": [{"step": 1, "tokens": 1, "val_loss": v, "train_loss": v}],
                                                 "seconds": 1.0} for s, v in enumerate(finals[m])}
-                                   for m in lm_scaling.HEAD_CONTROLS}
-    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480}
+                                   for m in lm_scaling.CONTROLS}
+    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384}
     report = lm_scaling.render(results)
     assert report == lm_scaling.render(json.loads(json.dumps(results)))
     # cfg: hidden 96, head_dim 24 -> h = 2; Llama-h runs at Llama's 0.008, DIFF-2h at DIFF's 0.004
@@ -161,6 +162,26 @@ def test_head_count_control_gaps_by_hand():
     assert "- DIFF-2h - DIFF (DIFF, 2h heads against h): -0.0445 +- 0.0569 [-0.1404, +0.0514]" in report
     # Llama-h - Llama: Llama's finals 2.0346, 2.0446, 2.0246 -> -0.0346, +0.0554, +0.2754: mean +0.0987
     assert "- Llama-h - Llama (Llama, h heads against 2h): +0.0987" in report
+    # DIFF - DIFF-lambda0: -0.0088, -0.0388, -0.0188 (to 4 places): mean -0.0222, sd 0.0153
+    assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0): -0.0222 +- 0.0153" in report
+    assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
+    results["runs"]["controls"].pop("DIFF-lambda0")  # a results.json from before that control: its rows left out
+    assert "lambda0 |" not in lm_scaling.render(results) and "| DIFF-2h |" in lm_scaling.render(results)
+
+
+def test_lambda_zero_control_keeps_lambda_at_zero_through_training():
+    cfg = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
+    model = lm_scaling.build_model("DIFF-lambda0", cfg, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        model(batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    lambdas = [layer.self_attn.lambda_params for layer in model.model.layers]
+    for lam in lambdas:
+        assert all(float(p.abs().max()) == 0.0 for p in lam.parameters()), "a lambda vector moved off 0"
+        assert float(lam()) == 0.0 and lam.lambda_init == 0.0
 
 
 @pytest.mark.parametrize("name", ["DIFF", "Llama", "Llama-h", "DIFF-2h"])
