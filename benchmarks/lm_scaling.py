@@ -90,18 +90,20 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
-CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0")  # run at their own family's learning rate, every seed
-LAMBDA_ZERO = dict(lambda_init=0.0, lambda_std_dev=0.0)  # zero vectors get no gradient: lambda stays 0
+CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN")  # at their own family's learning rate, every seed
+CONTROL_CONFIG = {"DIFF-lambda0": dict(lambda_init=0.0, lambda_std_dev=0.0),  # zero vectors get no gradient
+                  "DIFF-noSubLN": dict(use_subln=False)}
 
 
 def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
     """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the head-count
     controls swap that at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2);
-    DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN)."""
+    DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN); DIFF-noSubLN is
+    DIFF without the per-head RMSNorm and its (1 - lambda_init) scale."""
     d = cfg["head_dim"]
     h = cfg["hidden"] // (2 * d)
     return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d), "Llama-h": ("Llama", h, 2 * d),
-            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d)}[name]
+            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d), "DIFF-noSubLN": ("DIFF", h, d)}[name]
 
 
 def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
@@ -117,7 +119,7 @@ def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
     set_seed(seed)
     if family == "DIFF":
         config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim,
-                            **(LAMBDA_ZERO if name == "DIFF-lambda0" else {}))
+                            **CONTROL_CONFIG.get(name, {}))
         return DiffForCausalLM._from_config(config, attn_implementation="sdpa")
     config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
@@ -349,8 +351,9 @@ def control_lines(results: dict) -> list[str]:
     lines = ["", "## Controls: head count and lambda", "",
              "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
              "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
-             "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. Each runs at "
-             "its own family's learning rate:", "",
+             "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. DIFF-noSubLN "
+             "drops the per-head RMSNorm and its (1 - lambda_init) scale. Each runs at its own family's learning "
+             "rate:", "",
              "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
              "|---|---|---|---|---|---|"]
     for m in (*MODELS, *names):
@@ -361,7 +364,8 @@ def control_lines(results: dict) -> list[str]:
     pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
              ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
              ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
-             ("DIFF-lambda0", "Llama-h", "h softmax heads each: q/k dim d with SubLN against q/k dim 2d")]
+             ("DIFF-lambda0", "Llama-h", "h softmax heads each: q/k dim d with SubLN against q/k dim 2d"),
+             ("DIFF", "DIFF-noSubLN", "SubLN against none"), ("DIFF-noSubLN", "Llama-h", "both with h heads")]
     lines += ["", "Paired differences of the final validation loss (mean +- sd over seeds [90% t interval]):", ""]
     lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs
               if a in finals and b in finals]

@@ -147,11 +147,12 @@ def test_runs_are_stored_once_per_settings_and_corpus(tmp_path):
 
 def test_head_count_control_gaps_by_hand():
     results = fake_results()
-    finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0)}
+    finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0),
+              "DIFF-noSubLN": (1.8, 1.8, 1.8)}
     results["runs"]["controls"] = {m: {str(s): {"curve": [{"step": 1, "tokens": 1, "val_loss": v, "train_loss": v}],
                                                 "seconds": 1.0} for s, v in enumerate(finals[m])}
                                    for m in lm_scaling.CONTROLS}
-    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384}
+    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384, "DIFF-noSubLN": 468_192}
     report = lm_scaling.render(results)
     assert report == lm_scaling.render(json.loads(json.dumps(results)))
     # cfg: hidden 96, head_dim 24 -> h = 2; Llama-h runs at Llama's 0.008, DIFF-2h at DIFF's 0.004
@@ -165,6 +166,7 @@ def test_head_count_control_gaps_by_hand():
     # DIFF - DIFF-lambda0: -0.0088, -0.0388, -0.0188 (to 4 places): mean -0.0222, sd 0.0153
     assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0): -0.0222 +- 0.0153" in report
     assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
+    assert "- DIFF - DIFF-noSubLN (SubLN against none): +0.1778 +- 0.0153" in report
     results["runs"]["controls"].pop("DIFF-lambda0")  # a results.json from before that control: its rows left out
     assert "lambda0 |" not in lm_scaling.render(results) and "| DIFF-2h |" in lm_scaling.render(results)
 
@@ -184,10 +186,13 @@ def test_lambda_zero_control_keeps_lambda_at_zero_through_training():
         assert float(lam()) == 0.0 and lam.lambda_init == 0.0
 
 
-@pytest.mark.parametrize("name", ["DIFF", "Llama", "Llama-h", "DIFF-2h"])
+@pytest.mark.parametrize("name", ["DIFF", "Llama", *lm_scaling.CONTROLS])
 def test_head_layouts_keep_every_projection_shape(name):
     cfg = dict(lm_scaling.FULL, layers=1)
     shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items() if "proj" in k}
     family = lm_scaling.head_layout(name, cfg)[0]
-    assert shapes(lm_scaling.build_model(name, cfg, 0)) == shapes(lm_scaling.build_model(family, cfg, 0))
-    assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4}[name]
+    model = lm_scaling.build_model(name, cfg, 0)
+    assert shapes(model) == shapes(lm_scaling.build_model(family, cfg, 0))
+    assert all(getattr(model.config, k) == v for k, v in lm_scaling.CONTROL_CONFIG.get(name, {}).items())
+    assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4,
+                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2}[name]
