@@ -229,6 +229,9 @@ CONTROL_SHOWN = {"Llama-h": "Llama with DIFF's head count ({heads} heads of dim 
                  "DIFF-noSubLN": "DIFF without SubLN"}
 
 
+GAPS_SHOWN = (("DIFF", "Llama"), ("DIFF", "DIFF-noSubLN"), ("DIFF-noSubLN", "Llama-h"))  # paired by seed
+
+
 def lm_scaling(root: Path) -> str:
     """The single-epoch comparison (benchmarks/lm_scaling.py) from its results.json, with its own analysis code."""
     spec = importlib.util.spec_from_file_location("lm_scaling", root / "benchmarks" / "lm_scaling.py")
@@ -241,7 +244,8 @@ def lm_scaling(root: Path) -> str:
     tokens = curves["DIFF"][0][-1]["tokens"]
     seeds = ", ".join(str(seed) for seed in cfg["seeds"])
     lines = [f"One pass over {tokens:,} byte tokens of {results['corpus']['name']} {results['corpus']['version']}'s "
-             f"source release, seeds {seeds} paired, learning rate swept per model:", "",
+             f"source release, seeds {seeds} paired, learning rate swept for DIFF and Llama (each control at its "
+             "family's):", "",
              "| model | parameters | learning rate | final validation loss | elsewhere, same measurement |",
              "|---|---|---|---|---|"]
     for name in module.MODELS:
@@ -250,18 +254,22 @@ def lm_scaling(root: Path) -> str:
         lines.append(f"| {name} | {results['parameters'][name]:,} | {results['lr'][name]:g} | "
                      f"{final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
     controls = results["runs"].get("controls", {})
+    finals = {name: stats["final"][name]["per_seed"] for name in module.MODELS}
     for name in (m for m in module.CONTROLS if m in controls):
         family, heads, dim = module.head_layout(name, cfg)
-        finals = [controls[name][str(seed)]["curve"][-1]["val_loss"] for seed in cfg["seeds"]]
-        per_seed = ", ".join(f"{value:.3f}" for value in finals)
+        finals[name] = [controls[name][str(seed)]["curve"][-1]["val_loss"] for seed in cfg["seeds"]]
+        per_seed = ", ".join(f"{value:.3f}" for value in finals[name])
         lines.append(f"| {name}: {CONTROL_SHOWN[name].format(heads=heads, dim=dim)} | {results['parameters'][name]:,} "
-                     f"| {results['lr'][family]:g} | {statistics.mean(finals):.3f} ± {statistics.stdev(finals):.3f} "
-                     f"({per_seed}) | |")
-    gap, ratio = stats["gap"], stats["ratio"]["diff_over_llama"]
-    low, high = gap["t90"]
-    lines.append(f"| DIFF - Llama | | | {gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval [{low:+.3f}, "
-                 f"{high:+.3f}] | -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent "
-                 "replication) |")
+                     f"| {results['lr'][family]:g} | {statistics.mean(finals[name]):.3f} ± "
+                     f"{statistics.stdev(finals[name]):.3f} ({per_seed}) | |")
+    ratio = stats["ratio"]["diff_over_llama"]
+    for a, b in (pair for pair in GAPS_SHOWN if all(name in finals for name in pair)):
+        gaps = [x - y for x, y in zip(finals[a], finals[b])]
+        low, high = module.t_interval(gaps)
+        elsewhere = (" -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent replication) "
+                     if (a, b) == ("DIFF", "Llama") else " ")
+        lines.append(f"| {a} - {b} | | | {statistics.mean(gaps):+.3f} ± {statistics.stdev(gaps):.3f}, 90% interval "
+                     f"[{low:+.3f}, {high:+.3f}] |{elsewhere}|")
     lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's | | | "
                  f"{module.fmt_ratio(ratio['estimate'])}, "
                  f"90% interval [{module.fmt_ratio(ratio['p05'])}, {module.fmt_ratio(ratio['p95'])}] "
