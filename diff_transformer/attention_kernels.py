@@ -100,7 +100,7 @@ def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
 
 def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """Both branches of a tile of query rows in one softmax and one product with V (`tiled_diff_attention`)."""
-    return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
+    return tiled_diff_attention(q, k, v, lam, scaling, attention_mask), None
 
 
 def diff_flash_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):

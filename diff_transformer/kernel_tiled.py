@@ -211,10 +211,11 @@ def add_bmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 @autocast_off
 def tiled_diff_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-    rows: int = TILE_ROWS,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, scaling: float,
+    mask: torch.Tensor | None = None, rows: int = TILE_ROWS,
 ) -> torch.Tensor:
-    """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring)."""
+    """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring); causal, with `mask` or
+    without (None). Arguments in the order of the other kernels' (q, k, v, lam, scaling, ..., mask)."""
     k, v = drop_unfilled_keys(q, k, v, mask)
     q, k, v = q.float(), k.float(), v.float()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)):

@@ -428,7 +428,7 @@ def test_kernels_compute_in_fp32_under_autocast(kernel):
     if kernel == "eager":
         attend = lambda: eager_diff_attention(attn, q, k, v, lam, mask, d**-0.5)[0]  # noqa: E731
     else:
-        attend = lambda: tiled_diff_attention(q, k, v, lam, mask, d**-0.5, rows=4)  # noqa: E731
+        attend = lambda: tiled_diff_attention(q, k, v, lam, d**-0.5, mask, rows=4)  # noqa: E731
     expected = attend()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = attend()

@@ -29,7 +29,7 @@ def check_tiled(case: Case, dtype: torch.dtype, mask: torch.Tensor | None, grad_
     """Output [B, T, H, DV] (rows with a key to attend) and gradients of the tiled kernel vs the reference on the
     case's inputs; returns the kernel's."""
     tile_rows, scaling = case.rows or TILE_ROWS, case.D**-0.5
-    return check_against_reference(lambda *t: tiled_diff_attention(*t, mask, scaling, rows=tile_rows),
+    return check_against_reference(lambda *t: tiled_diff_attention(*t, scaling, mask, rows=tile_rows),
                                    lambda *t: naive_diff_attention(*t, scaling, mask=mask), leaves(case, dtype),
                                    grad_out, NAMES, dtype, "tiled", what, rows=~empty_rows(case))
 
@@ -63,11 +63,11 @@ def test_tile_size_and_no_grad_path_agree(case: Case):
     """Output does not depend on the tiling; the no-grad path (no autograd.Function) gives the same numbers."""
     q, k, v, lam = (t.detach() for t in leaves(case, torch.float32))
     mask, scaling = padding_mask(case), case.D**-0.5
-    one_tile = tiled_diff_attention(q, k, v, lam, mask, scaling, rows=case.T)
+    one_tile = tiled_diff_attention(q, k, v, lam, scaling, mask, rows=case.T)
     with torch.no_grad():
         no_grad = tiled_forward(q, k, v, lam, mask, scaling, rows=3).flatten(2, 3)  # [B, T, h, dv]
     with torch.enable_grad():
-        tiled = tiled_diff_attention(q, k, v, lam.requires_grad_(), mask, scaling, rows=3)
+        tiled = tiled_diff_attention(q, k, v, lam.requires_grad_(), scaling, mask, rows=3)
     keep = ~empty_rows(case)  # a fully masked row averages the keys its tile reads: a don't-care
     for name, actual in (("no-grad rows=3", no_grad), ("autograd rows=3", tiled)):
         assert_close(actual[keep], one_tile[keep], torch.float32, name, "tiled")
@@ -78,8 +78,8 @@ def test_static_cache_prefill_ignores_empty_slots():
     case = CASES[0]
     q, k, v, lam = (t.detach() for t in leaves(case, torch.float32))
     garbage = torch.full((case.B, case.KV, 8, k.shape[-1]), 1e4)
-    padded = tiled_diff_attention(q, torch.cat([k, garbage], 2), torch.cat([v, garbage], 2), lam, None, 0.25)
-    expected = tiled_diff_attention(q, k, v, lam, None, 0.25)
+    padded = tiled_diff_attention(q, torch.cat([k, garbage], 2), torch.cat([v, garbage], 2), lam, 0.25)
+    expected = tiled_diff_attention(q, k, v, lam, 0.25)
     assert_close(padded, expected, torch.float32, "static-cache prefill", "tiled")
 
 
