@@ -6,19 +6,38 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs from `diff_transformer.tools.commands`."""
 
 import argparse
-import json
+import importlib
+import importlib.util
 import math
-import os
-import pkgutil
 import signal
+import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-COMMANDS = "diff_transformer.tools.commands"  # where each command runs, imported after parsing
+COMMANDS = "diff_transformer.tools.commands"  # runs command NAME with its run_NAME, imported after parsing
 MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type, without importing transformers
+
+
+def load_torch_free(name: str) -> ModuleType:
+    """The package's module `name` (one that imports the standard library only), without running
+    `diff_transformer/__init__.py`, which imports torch and transformers (seconds of CPU): read from its file and
+    registered under its own name, so that the package's code, once imported, shares this one module."""
+    if "diff_transformer" in sys.modules:  # torch is in already: the ordinary import
+        return importlib.import_module(name)
+    if name not in sys.modules:
+        package = importlib.util.find_spec("diff_transformer")  # finds the package without importing it
+        path = Path(package.origin).parent.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+folders = load_torch_free("diff_transformer.tools.folders")
 
 
 class Terminated(KeyboardInterrupt):
@@ -89,38 +108,11 @@ def percent(text: str) -> float:
     return float(text)
 
 
-def read_text_file(path: str | os.PathLike) -> str:
-    """The file's text; `FileNotFoundError` / `ValueError` naming the file when it is missing, a folder or not UTF-8
-    text."""
-    if Path(path).is_dir():
-        raise IsADirectoryError(f"{path} is a folder, not a text file; give one file (join several with `cat`)")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {path} (looked in {os.getcwd()})")
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
-        ) from None
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in `path`; `ValueError` naming the file and the position of the error when it is not one."""
-    try:
-        value = json.loads(read_text_file(path))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
-    return value
-
-
 def text_file(text: str) -> str:
     """A readable UTF-8 text file with some text in it (checked up front: training a tokenizer on anything else
     fails obscurely, or after seconds)."""
     try:
-        content = read_text_file(text)
+        content = folders.read_text_file(text)
     except (OSError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if not content.strip():
@@ -149,29 +141,21 @@ def model_type_problem(config: dict, folder: str, diff: bool) -> str | None:
 
 
 def folder_config(text: str, diff: bool = False) -> dict:
-    """config.json of a local folder written by save_pretrained, with a tokenizer and a model_type (of a DIFF
-    Transformer with `diff`)."""
-    folder = Path(text)
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"no such folder: {text} (looked in {os.getcwd()})")
-    if not (folder / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text} has no config.json, so it is no saved model folder; "
-                                         f"model.save_pretrained({text!r}) writes one")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise argparse.ArgumentTypeError(f"{text} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the "
-                                         f"model's tokenizer there with tokenizer.save_pretrained({text!r})")
+    """config.json of a local folder written by save_pretrained, with a model_type (of a DIFF Transformer with
+    `diff`), a tokenizer and safetensors weights."""
     try:
-        config = read_json(folder / "config.json")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{error}; fix it, or save the model again with save_pretrained") from None
-    problem = model_type_problem(config, text, diff)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
+        config = folders.read_config(text)
+        if problem := model_type_problem(config, text, diff):
+            raise folders.FolderError(problem)
+        folders.check_files(text)
+    except folders.FolderError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return config
 
 
 def model_folder(text: str) -> str:
-    """A local folder written by save_pretrained: a readable config.json with a model_type, and a tokenizer."""
+    """A local folder written by save_pretrained: a readable config.json with a model_type, a tokenizer and
+    weights."""
     folder_config(text)
     return text
 
@@ -182,18 +166,10 @@ def diff_model_folder(text: str) -> str:
     return text
 
 
-def nearest_existing(path: Path) -> Path:
-    """`path` itself when it exists, else its closest existing parent."""
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def unwritable(folder: Path) -> str | None:
     """Why files cannot be written into `folder` (made with its parents where missing), or None: probed with a real
     file, which also finds read-only mounts."""
-    existing = nearest_existing(folder)
+    existing = folders.nearest_existing(folder)
     if not existing.is_dir():
         return f"{existing} is a file, so no folder can be made there"
     try:
@@ -306,7 +282,7 @@ def add_train_parser(commands, common) -> Parser:
                         help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the saved model in --output (refused without it)")
-    parser.set_defaults(run=f"{COMMANDS}:train", check=check_train_args)
+    parser.set_defaults(check=check_train_args)
     return parser
 
 
@@ -319,7 +295,6 @@ def add_generate_parser(commands, common) -> Parser:
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--truncate-prompt", action="store_true",
                         help="keep the end of a prompt too long for the model's context (refused without it)")
-    parser.set_defaults(run=f"{COMMANDS}:run_generate")
     return parser
 
 
@@ -334,7 +309,6 @@ def add_convert_parser(commands, common) -> Parser:
                         help="convert a sliding-window model anyway (outputs match only within the window)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype to load and save in ('auto': the checkpoint's)")
-    parser.set_defaults(run=f"{COMMANDS}:run_convert")
     return parser
 
 
@@ -355,7 +329,7 @@ def add_eval_needle_parser(commands, common) -> Parser:
     parser.add_argument("--samples", type=positive_int, default=5, help="prompts per (length, depth)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--output", default="runs/needle", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run=f"{COMMANDS}:run_eval_needle", check=check_output_prefix)
+    parser.set_defaults(check=check_output_prefix)
     return parser
 
 
@@ -374,7 +348,7 @@ def add_attention_noise_parser(commands, common) -> Parser:
                         help="needles in the context (at most one per built-in city)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt")
     parser.add_argument("--output", default="runs/attention_noise", help="output prefix: PREFIX.md and PREFIX.png")
-    parser.set_defaults(run=f"{COMMANDS}:run_attention_noise", check=check_output_prefix)
+    parser.set_defaults(check=check_output_prefix)
     return parser
 
 
@@ -388,7 +362,6 @@ def add_outliers_parser(commands, common) -> Parser:
     parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")
     parser.add_argument("--top-k", type=positive_int, default=3, help="largest magnitudes to report")
     parser.add_argument("--seed", type=int, default=0, help="seed of the probe text")
-    parser.set_defaults(run=f"{COMMANDS}:run_outliers")
     return parser
 
 
@@ -401,7 +374,6 @@ def add_upload_parser(commands, common) -> Parser:
     parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
-    parser.set_defaults(run=f"{COMMANDS}:run_upload")
     return parser
 
 
@@ -420,16 +392,24 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
     parser.verbatim_options = ("--vllm-args",)
-    parser.set_defaults(run="diff_transformer.serving:serve")
     return parser
+
+
+# The commands, in the order --help lists them: each adds its parser, named NAME, and runs as COMMANDS's run_NAME.
+PARSERS = (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
+           add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser)
+
+
+def runner(command: str) -> Callable[[argparse.Namespace], None]:
+    """The function that runs `command`: `run_<command>` of `COMMANDS` (imported here, with torch)."""
+    return getattr(importlib.import_module(COMMANDS), f"run_{command.replace('-', '_')}")
 
 
 def build_parser() -> Parser:
     parser = Parser(prog="diff-transformer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, dest="command", metavar="COMMAND")
     common = common_options()
-    for add in (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
-                add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser):
+    for add in PARSERS:
         command = add(commands, common)
         command.set_defaults(command_parser=command)
     return parser
@@ -443,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
-        pkgutil.resolve_name(args.run)(args)
+        runner(args.command)(args)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: what it stopped, in one line
         if args.debug:
             raise

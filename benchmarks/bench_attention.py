@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig
-from diff_transformer.modeling_diff import DIFF_KERNELS, DIFF_FLASH, select_kernel, triton_available
+from diff_transformer.attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel, triton_available
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

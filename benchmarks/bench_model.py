@@ -72,7 +72,7 @@ def synchronize(device: torch.device) -> None:
 
 class Worker:
     """One model in its own process, driven over a pipe, so that no model's allocations shape the heap another
-    model runs on, as in a user's training process (benchmarks/RESULTS.md). The parent asks for one timing at a
+    model runs on, as in a user's training process (benchmarks/HISTORY.md). The parent asks for one timing at a
     time, so workers never overlap."""
 
     def __init__(self, name: str):

@@ -28,6 +28,7 @@ TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -187,26 +188,34 @@ def row_key(row: dict) -> tuple:
                                         "stages"))
 
 
+def kernel_sha256() -> str:
+    """The kernels' source, as the record names it: a record of another source is stale."""
+    return hashlib.sha256(Path(kernels.__file__).read_bytes()).hexdigest()
+
+
 def read_record(path: Path = RECORD) -> dict:
-    """{"triton": version, "rows": compile rows as dicts} of `--record` (no rows before the first)."""
+    """{"triton": version, "kernel_sha256": of the source compiled, "rows": compile rows as dicts} of `--record`
+    (no rows before the first)."""
     if not path.exists():
-        return {"triton": None, "rows": []}
+        return {"triton": None, "kernel_sha256": None, "rows": []}
     record = json.loads(path.read_text())
-    return {"triton": record["triton"], "rows": [dict(zip(record["columns"], row)) for row in record["rows"]]}
+    return {"triton": record["triton"], "kernel_sha256": record.get("kernel_sha256"),
+            "rows": [dict(zip(record["columns"], row)) for row in record["rows"]]}
 
 
 def write_record(rows: list[dict], path: Path = RECORD) -> None:
     """Merge `rows` into the record, one row per line (a row of the same variant and tile replaces the old one);
-    rows compiled by another Triton release replace the record."""
+    rows compiled by another Triton release or from another kernel source replace the record."""
     import triton
 
     record = read_record(path)
-    kept = record["rows"] if record["triton"] == triton.__version__ else []
+    same = record["triton"] == triton.__version__ and record["kernel_sha256"] == kernel_sha256()
+    kept = record["rows"] if same else []
     merged = {row_key(row): row for row in [*kept, *(row for row in rows if row["tile"] is not None)]}
     columns = list(next(iter(merged.values())))
     lines = ",\n".join(json.dumps([row[name] for name in columns]) for _, row in sorted(merged.items()))
-    path.write_text(f'{{"triton": {json.dumps(triton.__version__)}, "columns": {json.dumps(columns)}, "rows": [\n'
-                    f"{lines}\n]}}\n")
+    path.write_text(f'{{"triton": {json.dumps(triton.__version__)}, "kernel_sha256": "{kernel_sha256()}", '
+                    f'"columns": {json.dumps(columns)}, "rows": [\n{lines}\n]}}\n')
 
 
 def _candidate(row: dict) -> tuple[int, int, int, int]:

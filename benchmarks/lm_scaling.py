@@ -90,21 +90,38 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
+CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN")  # at their own family's learning rate, every seed
+CONTROL_CONFIG = {"DIFF-lambda0": dict(lambda_init=0.0, lambda_std_dev=0.0),  # zero vectors get no gradient
+                  "DIFF-noSubLN": dict(use_subln=False)}
+
+
+def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
+    """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the head-count
+    controls swap that at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2);
+    DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN); DIFF-noSubLN is
+    DIFF without the per-head RMSNorm and its (1 - lambda_init) scale."""
+    d = cfg["head_dim"]
+    h = cfg["hidden"] // (2 * d)
+    return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d), "Llama-h": ("Llama", h, 2 * d),
+            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d), "DIFF-noSubLN": ("DIFF", h, d)}[name]
+
+
 def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
-    """DIFF with h = H / (2d) heads of q/k dim d (values 2d) or Llama with 2h heads of dim d; same everything else."""
+    """A model of `head_layout(name)`; every projection the same shape, same everything else."""
     from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
     from diff_transformer import DiffConfig, DiffForCausalLM
 
-    h = cfg["hidden"] // (2 * cfg["head_dim"])
+    family, heads, head_dim = head_layout(name, cfg)
     shared = dict(vocab_size=256, hidden_size=cfg["hidden"], intermediate_size=cfg["hidden"] * 8 // 3 // 16 * 16,
                   num_hidden_layers=cfg["layers"], max_position_embeddings=cfg["context"], tie_word_embeddings=True,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     set_seed(seed)
-    if name == "DIFF":
-        config = DiffConfig(**shared, num_attention_heads=h, head_dim=cfg["head_dim"])
+    if family == "DIFF":
+        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim,
+                            **CONTROL_CONFIG.get(name, {}))
         return DiffForCausalLM._from_config(config, attn_implementation="sdpa")
-    config = LlamaConfig(**shared, num_attention_heads=2 * h, num_key_value_heads=2 * h, head_dim=cfg["head_dim"])
+    config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
@@ -316,6 +333,45 @@ def cross_line(results: dict) -> list[str]:
             + "; ".join(cells) + "."]
 
 
+def paired_gap(a: list[float], b: list[float]) -> str:
+    """a - b per seed: mean +- sd and the 90% t interval of the mean."""
+    gaps = [x - y for x, y in zip(a, b)]
+    low, high = t_interval(gaps) or [math.nan, math.nan]
+    return f"{np.mean(gaps):+.4f} +- {np.std(gaps, ddof=1) if len(gaps) > 1 else 0.0:.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def control_lines(results: dict) -> list[str]:
+    """The controls (CONTROLS, each at its own family's learning rate), final validation losses paired by seed."""
+    cfg, runs = results["config"], results["runs"]
+    names = [m for m in CONTROLS if m in runs.get("controls", {})]
+    if not names:
+        return []
+    finals = {m: [(runs["main"] if m in MODELS else runs["controls"])[m][str(s)]["curve"][-1]["val_loss"]
+                  for s in cfg["seeds"]] for m in (*MODELS, *names)}
+    lines = ["", "## Controls: head count and lambda", "",
+             "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
+             "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
+             "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. DIFF-noSubLN "
+             "drops the per-head RMSNorm and its (1 - lambda_init) scale. Each runs at its own family's learning "
+             "rate:", "",
+             "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
+             "|---|---|---|---|---|---|"]
+    for m in (*MODELS, *names):
+        family, heads, dim = head_layout(m, cfg)
+        lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {results['lr'][family]:g} | "
+                     + ", ".join(f"{v:.4f}" for v in finals[m])
+                     + f" | {np.mean(finals[m]):.4f} +- {np.std(finals[m], ddof=1):.4f} |")
+    pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
+             ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
+             ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
+             ("DIFF-lambda0", "Llama-h", "h softmax heads each: q/k dim d with SubLN against q/k dim 2d"),
+             ("DIFF", "DIFF-noSubLN", "SubLN against none"), ("DIFF-noSubLN", "Llama-h", "both with h heads")]
+    lines += ["", "Paired differences of the final validation loss (mean +- sd over seeds [90% t interval]):", ""]
+    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs
+              if a in finals and b in finals]
+    return lines
+
+
 def render(results: dict) -> str:
     """report.md, a pure function of results.json."""
     cfg, corpus, runs = results["config"], results["corpus"], results["runs"]
@@ -387,6 +443,7 @@ def render(results: dict) -> str:
         "- Training time per run on one CPU core (one thread, evaluations included): "
         + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
         + ".",
+        *control_lines(results),
         "",
         "## Validation loss along training (mean over seeds)",
         "",
@@ -482,9 +539,11 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
     # a check on the choice of learning rate: each model at the other's, first seed, full budget
     other = {"DIFF": lr["Llama"], "Llama": lr["DIFF"]}
     cross = {m: run(m, other[m], cfg["seeds"][0], cfg["steps"]) for m in MODELS}
+    controls = {m: {str(s): run(m, lr[head_layout(m, cfg)[0]], s, cfg["steps"]) for s in cfg["seeds"]}
+                for m in CONTROLS}
     return {"config": cfg, "corpus": corpus, "quick": quick, "lr": lr, "fit_skip": skip,
-            "parameters": {m: parameter_count(m, cfg) for m in MODELS},
-            "runs": {"sweep": sweep, "main": main, "cross": cross}}
+            "parameters": {m: parameter_count(m, cfg) for m in MODELS + CONTROLS},
+            "runs": {"sweep": sweep, "main": main, "cross": cross, "controls": controls}}
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ from transformers import (
 from transformers.models.diffllama import modeling_diffllama
 from transformers.models.llama import modeling_llama
 
-from diff_transformer import DiffConfig, DiffForCausalLM, modeling_diff
+from diff_transformer import DiffConfig, DiffForCausalLM, attention_kernels
 from diff_transformer.tools.data import text_file_dataset
 from diff_transformer.tools.evaluation import (
     CITIES,
@@ -312,18 +312,18 @@ def quantized_eager_attention(original: Callable, bits: int | None) -> Callable:
 @contextmanager
 def quantized_attention_logits(model, bits: int | None) -> Iterator[None]:
     """Inside the block, the eager attention of every model fake-quantizes its pre-softmax logits to `bits`, one
-    scale per attention call: DIFF through `modeling_diff.masked_scores` (called once per branch, [B, h, T, S]),
+    scale per attention call: DIFF through `attention_kernels.masked_scores` (called once per branch, [B, h, T, S]),
     Llama and DiffLlama through their module's `eager_attention_forward` (DiffLlama's [B, 2h, T, S] holds both
     branches). The functions are swapped in the modules for the block and restored after, even on error."""
     implementation = model.config._attn_implementation
     if implementation != "eager":
         raise ValueError(f"quantized_attention_logits needs eager attention, the model runs '{implementation}': "
                          'load it with attn_implementation="eager"')
-    masked_scores = modeling_diff.masked_scores
-    originals = [(modeling_diff, "masked_scores", masked_scores)]
+    masked_scores = attention_kernels.masked_scores
+    originals = [(attention_kernels, "masked_scores", masked_scores)]
     originals += [(module, "eager_attention_forward", module.eager_attention_forward)
                   for module in (modeling_llama, modeling_diffllama)]
-    modeling_diff.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
+    attention_kernels.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
     for module, name, original in originals[1:]:
         setattr(module, name, quantized_eager_attention(original, bits))
     try:
@@ -542,6 +542,10 @@ RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", 
 TEXT_ONLY = ("data", "text_steps", "long_steps", "text_batch", "text_lr", "text_block")
 RETRIEVAL_ONLY = ("steps", "batch", "lr", "schedule", "context", "needles", "queries", "digits", "examples",
                   "eval_samples")
+
+
+# Corpora the reports name by their sha256 (docs/evaluation.md says where to get them).
+KNOWN_CORPORA = {"86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed": "tiny Shakespeare"}
 
 
 @functools.cache
@@ -853,12 +857,13 @@ def plot_maps(rows: list[dict], path: Path) -> None:
 def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     # what the runs depend on (not jobs, threads, folders, --from-saved: a report is the same whichever call wrote it);
-    # the corpus by name and content, not by where this machine keeps it
+    # the corpus by its content, not by the name or folder this machine keeps it under
     ignored = (RUN_INDEPENDENT + (TEXT_ONLY if "text" not in args.tasks else ())
                + (RETRIEVAL_ONLY if "retrieval" not in args.tasks else ()))
     settings = {k: v for k, v in vars(args).items() if k not in ignored}
     if "data" in settings:
-        settings["data"] = (f"{args.data.name} (sha256 {file_sha256(args.data.resolve())})" if args.data.is_file()
+        digest = file_sha256(args.data.resolve()) if args.data.is_file() else None
+        settings["data"] = (f"{KNOWN_CORPORA.get(digest, 'a text file')} (sha256 {digest})" if digest
                             else f"{args.data.name} (not found: no text runs)")
     report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
               f"run time: the {len(rows)} runs took {sum(r['seconds'] for r in rows) / 60:.1f} min of one process "

@@ -223,6 +223,12 @@ def paper_small_retrieval(root: Path) -> str:
     return "\n".join(per_run(root, title, runs, columns))
 
 
+CONTROL_SHOWN = {"Llama-h": "Llama with DIFF's head count ({heads} heads of dim {dim})",
+                 "DIFF-2h": "DIFF with Llama's head count ({heads} heads of q/k dim {dim})",
+                 "DIFF-lambda0": "DIFF with lambda held at 0 (its first branch alone)",
+                 "DIFF-noSubLN": "DIFF without SubLN"}
+
+
 def lm_scaling(root: Path) -> str:
     """The single-epoch comparison (benchmarks/lm_scaling.py) from its results.json, with its own analysis code."""
     spec = importlib.util.spec_from_file_location("lm_scaling", root / "benchmarks" / "lm_scaling.py")
@@ -243,6 +249,14 @@ def lm_scaling(root: Path) -> str:
         per_seed = ", ".join(f"{value:.3f}" for value in final["per_seed"])
         lines.append(f"| {name} | {results['parameters'][name]:,} | {results['lr'][name]:g} | "
                      f"{final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
+    controls = results["runs"].get("controls", {})
+    for name in (m for m in module.CONTROLS if m in controls):
+        family, heads, dim = module.head_layout(name, cfg)
+        finals = [controls[name][str(seed)]["curve"][-1]["val_loss"] for seed in cfg["seeds"]]
+        per_seed = ", ".join(f"{value:.3f}" for value in finals)
+        lines.append(f"| {name}: {CONTROL_SHOWN[name].format(heads=heads, dim=dim)} | {results['parameters'][name]:,} "
+                     f"| {results['lr'][family]:g} | {statistics.mean(finals):.3f} ± {statistics.stdev(finals):.3f} "
+                     f"({per_seed}) | |")
     gap, ratio = stats["gap"], stats["ratio"]["diff_over_llama"]
     low, high = gap["t90"]
     lines.append(f"| DIFF - Llama | | | {gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval [{low:+.3f}, "

@@ -8,6 +8,8 @@ Two parallel styles, registered with transformers under the names the plans of `
   `packed_colwise` with two parts, bias included: rank r of n holds the r-th n-th of both halves, both branches of
   heads [r h / n, (r + 1) h / n). Unmarked projections (the standard layers of a hybrid stack) shard as `colwise`, so
   one rule serves every layer of a stack (transformers matches plan rules on `layers.*`, never one layer).
+  Servers that shard by contiguous blocks of rows (vLLM's column-parallel layers) load such a projection reordered
+  by `branch_halves_rank_major`, which gives rank r the same rows.
 - `diff_replicated`: whole parameters on every rank whose gradients are summed over the ranks: lambda's vectors and
   SubLN's gain only see this rank's heads.
 """
@@ -18,6 +20,14 @@ from torch import nn
 BRANCH_HALVES = "branch_halves"  # set on a Linear whose output rows are [branch-1 | branch-2]
 DIFF_COLWISE = "diff_colwise"
 DIFF_REPLICATED = "diff_replicated"
+
+
+def branch_halves_rank_major(rows: torch.Tensor, ranks: int) -> torch.Tensor:
+    """A `BRANCH_HALVES` weight or bias, rows [branch 1 | branch 2], reordered rank-major: block r of `ranks` equal
+    blocks holds rank r's slice of branch 1's rows, then the same slice of branch 2's, the rows `diff_colwise` gives
+    rank r. One rank: unchanged."""
+    per_rank = rows.view(2, ranks, rows.shape[0] // (2 * ranks), *rows.shape[1:])  # [branch, rank, rows, ...]
+    return per_rank.transpose(0, 1).reshape(rows.shape)
 
 
 def check_tp_size(config, tp_size: int) -> None:

@@ -9,19 +9,19 @@ The forward kernel streams every K/V tile once per query tile and keeps two onli
 is fused into the epilogue. The backward kernels recompute both probability tiles from the saved log-sum-exps.
 Softmaxes and accumulators are fp32; matmul inputs keep the input dtype.
 
-Tensor layout (B batch, h query heads, h_kv key/value heads, T queries, S keys, d q/k head dim, dv value dim):
+Tensor layout: the packed layout of kernel_common.py (B batch, h query heads, h_kv key/value heads, T queries,
+S keys, d q/k head dim, dv value dim):
 
-    q1, q2    [B, h, T, d]       branch-1 / branch-2 query sub-heads
-    k1, k2    [B, h_kv, S, d]    branch-1 / branch-2 key sub-heads
+    q         [B, 2h, T, d]      query sub-heads in halves order: q1 = q[:, :h], q2 = q[:, h:]
+    k         [B, h_kv, S, 2d]   key sub-heads packed per kv head: k1 = k[..., :d], k2 = k[..., d:]
     v         [B, h_kv, S, dv]   dv = 2d in the paper; dv = d works too
     lam       []                 float32 scalar, may require grad
     mask      bool, broadcastable to [B, h, T, S], True = may attend; replaces the causal rule when given
-    output    [B, h, T, dv]      in the input dtype
+    output    [B, T, h, dv]      in the input dtype (a transposed view of the kernel's [B, h, T, dv])
 
-Strides: the kernels take the strides of every input, so views are read in place without copies, e.g.
-k1 = k[..., :d] and k2 = k[..., d:] of a [B, h_kv, S, 2d] key cache, head slices of a [B, 2h, T, d] query
-tensor, a transposed output gradient or an expanded mask. The two tensors of a branch pair (q1/q2, k1/k2)
-share one set of strides in the kernel; a pair whose strides differ is made contiguous first.
+Strides: the kernels take the strides of every input, so the branch halves are read in place as views, and so are
+a transposed output gradient or an expanded mask. The two tensors of a branch pair (q1/q2, k1/k2) share one set of
+strides in the kernel.
 
 Backward memory: besides its inputs the forward keeps the output, the normalised branch-2 output O2 (same size
 and dtype as the output) and two fp32 log-sum-exps [B, h, T]; O1 = out + lam * O2 is reconstructed for the
@@ -51,6 +51,7 @@ import os
 import torch
 from torch import Tensor
 
+from .kernel_common import split_branches
 from .kernel_tiles import TARGET_TILES, TILES, Tile
 
 try:
@@ -409,32 +410,23 @@ def _checked_tiles(kernel: str, head_dim: int, value_dim: int, like: Tensor, mas
     return tile
 
 
-def _paired(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """The kernels read both tensors of a branch pair with one set of strides."""
-    if a.stride() == b.stride():
-        return a, b
-    return a.contiguous(), b.contiguous()
-
-
-def _check_inputs(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     ok, reason = triton_available()
     if not ok:
         raise RuntimeError(f"diff_flash_attention is unavailable: {reason}")
-    if not _INTERPRET and q1.device.type != "cuda":
-        raise RuntimeError(f"diff_flash_attention needs CUDA tensors (got {q1.device}) or TRITON_INTERPRET=1")
-    if not all(t.dim() == 4 for t in (q1, q2, k1, k2, v)):
-        raise ValueError("q1, q2 [B, h, T, d], k1, k2 [B, h_kv, S, d] and v [B, h_kv, S, dv] must be 4-D")
-    if not all(t.dtype == q1.dtype for t in (q2, k1, k2, v)) or q1.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q/k/v must share one dtype among fp16, bf16, fp32; got "
-                         f"{[t.dtype for t in (q1, q2, k1, k2, v)]}")
-    B, h, T, d = q1.shape
+    if not _INTERPRET and q.device.type != "cuda":
+        raise RuntimeError(f"diff_flash_attention needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1")
+    if not all(t.dim() == 4 for t in (q, k, v)):
+        raise ValueError("q [B, 2h, T, d], k [B, h_kv, S, 2d] and v [B, h_kv, S, dv] must be 4-D")
+    if not all(t.dtype == q.dtype for t in (k, v)) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q/k/v must share one dtype among fp16, bf16, fp32; got {[t.dtype for t in (q, k, v)]}")
+    B, two_h, T, d = q.shape
     _, h_kv, S, dv = v.shape
-    if q2.shape != q1.shape or k1.shape != (B, h_kv, S, d) or k2.shape != k1.shape or v.shape[0] != B:
-        raise ValueError(f"shape mismatch: q1 {tuple(q1.shape)}, q2 {tuple(q2.shape)}, k1 {tuple(k1.shape)}, "
-                         f"k2 {tuple(k2.shape)}, v {tuple(v.shape)}")
-    if h % h_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    if two_h % 2 or k.shape != (B, h_kv, S, 2 * d) or v.shape[0] != B:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)} (expected [B, 2h, T, d]), k {tuple(k.shape)} "
+                         f"(expected [B, h_kv, S, 2d]), v {tuple(v.shape)} (expected [B, h_kv, S, dv])")
+    if (two_h // 2) % h_kv:
+        raise ValueError(f"query heads ({two_h // 2}) must be a multiple of key/value heads ({h_kv})")
     if not _dims_supported(d, dv):
         raise ValueError(_dims_reason(d, dv))
 
@@ -450,10 +442,12 @@ def _mask_args(mask: Tensor | None, shape: tuple[int, int, int, int], like: Tens
 
 
 class DiffFlashAttentionFunction(torch.autograd.Function):
+    """Packed q and k in, their gradients packed out: one copy of dq and of dk, where autograd through the branch
+    views would zero-fill a full-size gradient per view and add the two."""
+
     @staticmethod
-    def forward(ctx, q1, q2, k1, k2, v, lam, scaling, causal, mask):
-        q1, q2 = _paired(q1, q2)
-        k1, k2 = _paired(k1, k2)
+    def forward(ctx, q, k, v, lam, scaling, causal, mask):
+        q1, q2, k1, k2 = split_branches(q, k)  # [B, h, T, d], [B, h_kv, S, d]: views
         B, h, T, d = q1.shape
         _, h_kv, S, dv = v.shape
         lam32 = lam.detach().to(device=q1.device, dtype=torch.float32).reshape(())
@@ -471,13 +465,14 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
             HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
             num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
         )
-        ctx.save_for_backward(q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2)
+        ctx.save_for_backward(q, k, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, k1, k2, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
+        q, k, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
+        q1, q2, k1, k2 = split_branches(q, k)
         B, h, T, d = q1.shape
         _, h_kv, S, dv = v.shape
         do = grad_out.to(q1.dtype)
@@ -507,14 +502,15 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
             *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
         )
-        return dq1, dq2, dk1, dk2, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
+        dq = torch.cat([dq1, dq2], dim=1)  # [B, 2h, T, d], halves order
+        dk = torch.cat([dk1, dk2], dim=-1)  # [B, h_kv, S, 2d] = (k1 | k2)
+        return dq, dk, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
 
 
-def diff_flash_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor,
-                         scaling: float, causal: bool = True, mask: Tensor | None = None) -> Tensor:
-    """softmax(scaling q1 k1^T + mask) v - lam softmax(scaling q2 k2^T + mask) v in one pass; see the module docstring.
-
-    Returns [B, h, T, dv] in the input dtype. Differentiable in q1, q2, k1, k2, v and lam.
-    """
-    _check_inputs(q1, q2, k1, k2, v)
-    return DiffFlashAttentionFunction.apply(q1, q2, k1, k2, v, lam, float(scaling), bool(causal), mask)
+def diff_flash_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: float, causal: bool = True,
+                         mask: Tensor | None = None) -> Tensor:
+    """softmax(scaling q1 k1^T + mask) v - lam softmax(scaling q2 k2^T + mask) v in one pass, packed layout in and
+    out (see the module docstring). Returns [B, T, h, dv] in the input dtype. Differentiable in q, k, v and lam."""
+    _check_inputs(q, k, v)
+    out = DiffFlashAttentionFunction.apply(q, k, v, lam, float(scaling), bool(causal), mask)
+    return out.transpose(1, 2)  # [B, h, T, dv] -> [B, T, h, dv]

@@ -29,29 +29,22 @@ def _allowed_and_bias(mask: Tensor | None, length: int, keys: int, causal: bool,
     return allowed, mask.double().where(allowed, 0.0)
 
 
-def naive_diff_attention(q1: Tensor, q2: Tensor, k1: Tensor, k2: Tensor, v: Tensor, lam: Tensor, scaling: float,
-                         causal: bool = True, mask: Tensor | None = None) -> Tensor:
-    """Out [B, h, T, dv] in float64, in the Triton kernel's layout (`diff_flash_attention`): q1, q2 [B, h, T, d],
-    k1, k2 [B, h_kv, S, d], v [B, h_kv, S, dv], lam a 0-dim tensor; query head j reads kv head j // (h / h_kv).
-    `mask` (see `_allowed_and_bias`) replaces the causal rule when given."""
-    n_rep = q1.shape[1] // k1.shape[1]
-    q1, q2 = q1.double(), q2.double()
-    k1, k2, v = (t.double().repeat_interleave(n_rep, dim=1) for t in (k1, k2, v))
+def naive_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: float, causal: bool = True,
+                         mask: Tensor | None = None) -> Tensor:
+    """Out [B, T, h, dv] in float64, from the packed layout every kernel takes (kernel_common.py): q [B, 2h, T, d]
+    in halves order, keys packed [B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor; query head
+    j reads kv head j // (h / h_kv). `mask` (see `_allowed_and_bias`) replaces the causal rule when given."""
+    h, d = q.shape[1] // 2, q.shape[-1]
+    n_rep = h // k.shape[1]
+    q1, q2 = q[:, :h].double(), q[:, h:].double()  # [B, h, T, d]
+    k1, k2, v = (t.double().repeat_interleave(n_rep, dim=1) for t in (k[..., :d], k[..., d:], v))  # [B, h, S, .]
     allowed, bias = _allowed_and_bias(mask, q1.shape[-2], k1.shape[-2], causal, q1.device)
     any_allowed = allowed.any(dim=-1, keepdim=True)
 
-    def probs(q: Tensor, k: Tensor) -> Tensor:
-        scores = (q @ k.transpose(-1, -2) * scaling + bias).masked_fill(~allowed, float("-inf"))
+    def probs(q_b: Tensor, k_b: Tensor) -> Tensor:
+        scores = (q_b @ k_b.transpose(-1, -2) * scaling + bias).masked_fill(~allowed, float("-inf"))
         scores = torch.where(any_allowed, scores, 0.0)  # a row without keys: softmax of zeros, then zeroed (no NaN)
         return torch.softmax(scores, dim=-1) * any_allowed
 
-    return probs(q1, k1) @ v - lam.double() * (probs(q2, k2) @ v)
-
-
-def naive_packed_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: Tensor | None,
-                                scaling: float) -> Tensor:
-    """`naive_diff_attention` in the layout of the attention functions of modeling_diff.py: q [B, 2h, T, d] in
-    halves order, keys packed [B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv]; out [B, T, h, dv] in float64.
-    A mask of None is bottom-right causal."""
-    h, d = q.shape[1] // 2, q.shape[-1]
-    return naive_diff_attention(q[:, :h], q[:, h:], k[..., :d], k[..., d:], v, lam, scaling, mask=mask).transpose(1, 2)
+    out = probs(q1, k1) @ v - lam.double() * (probs(q2, k2) @ v)  # [B, h, T, dv]
+    return out.transpose(1, 2)

@@ -10,16 +10,17 @@ of the 2x that torch's fused sdpa kernels need (they take equal q/k/v widths onl
 after their last row. `TiledDiffAttention` saves only q, k, v (q and k also in the forward's branch layout) and
 recomputes each tile's maps in backward (like FlashAttention), so memory stays O(T) apart from one tile's maps.
 
-Layout (the differential kernels' layout of modeling_diff.py): q [B, 2h, T, d] in halves order, keys packed
-[B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv`
+Layout: the packed layout of kernel_common.py, q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] =
+(k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor. GQA broadcasts over `n_rep = h / h_kv`
 without repeat_kv copies. A mask of None means causal with the queries as the last T of the S keys.
 """
 
-import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
+
+from .kernel_common import autocast_off, drop_unfilled_keys, mask_scores_
 
 TILE_ROWS = 128  # query rows per tile: the fastest size measured on CPU
 
@@ -71,22 +72,6 @@ def branch_scores(
     return mask_scores_(scores, mask)
 
 
-def mask_scores_(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """In place, fp32 scores [..., T, S] with transformers' attention mask applied: boolean (True: may attend),
-    additive (0 or the dtype's minimum; clamped, since a float64 mask's minimum would overflow fp32 to -inf), or
-    None (causal, the T queries being the last T of the S keys). Masked scores get a finite fill, so a fully masked
-    row's softmax is uniform instead of NaN."""
-    fill = torch.finfo(scores.dtype).min
-    rows = scores.shape[-2]
-    if mask is None and rows > 1:
-        scores[..., -rows:].add_(torch.full((rows, rows), fill, device=scores.device).triu_(1))  # beats masked_fill_
-    if mask is None:
-        return scores
-    if mask.dtype == torch.bool:
-        return scores.masked_fill_(~mask, fill)
-    return scores.add_(mask.clamp(min=fill) if torch.finfo(mask.dtype).min < fill else mask)
-
-
 def branch_probs(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Both softmax maps of a tile, [2, B, h_kv, n_rep, t, e] (arguments as `branch_scores`)."""
     return torch.softmax(branch_scores(q, kt, mask), dim=-1)
@@ -100,22 +85,6 @@ def softmax_grads(d_map: torch.Tensor, probs: torch.Tensor, out: torch.Tensor) -
     for branch in range(2):
         torch.ops.aten._softmax_backward_data.out(d_map, probs[branch], -1, torch.float32, grad_input=out[branch])
     return out
-
-
-def autocast_off(kernel: Callable) -> Callable:
-    """Run `kernel` with autocast disabled on the device of its first tensor argument. These kernels compute scores
-    and softmax in fp32 whatever the input dtype; under autocast `torch.bmm` returns bf16 scores, where an additive
-    mask's fp32 minimum rounds to -inf in place and a fully masked row's softmax gives NaN."""
-
-    @functools.wraps(kernel)
-    def run(*args, **kwargs):
-        device = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
-        if not torch.is_autocast_enabled(device):
-            return kernel(*args, **kwargs)
-        with torch.autocast(device, enabled=False):
-            return kernel(*args, **kwargs)
-
-    return run
 
 
 def tiles(length: int, keys: int, rows: int) -> Iterator[tuple[int, int, int]]:
@@ -246,9 +215,7 @@ def tiled_diff_attention(
     rows: int = TILE_ROWS,
 ) -> torch.Tensor:
     """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring)."""
-    length = q.shape[2]
-    if mask is None and length > 1:  # sdpa's skipped mask is top-left causal: a static cache's empty slots are dropped
-        k, v = k[:, :, :length], v[:, :, :length]
+    k, v = drop_unfilled_keys(q, k, v, mask)
     q, k, v = q.float(), k.float(), v.float()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)):
         out = TiledDiffAttention.apply(q, k, v, lam, mask, scaling, rows)

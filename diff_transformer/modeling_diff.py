@@ -10,35 +10,20 @@ The decoder layer, model and causal LM are Llama's with these attentions (`DiffA
 V2; `DiffStandardAttention`, Llama attention, for the standard layers of hybrid stacks), the lambda initialisation
 and the cache shapes of `DiffConfig.per_layer_config`.
 
-Shape names: B batch, T query positions, S key positions, h differential heads, h_kv kv heads, n_rep = h / h_kv,
-d q/k sub-head dim, dv value dim. A suffix names a tensor's dims in order (torchtitan's convention): K kv heads,
-b branch, R n_rep, D d; `q_BKbRD` is [B, h_kv, 2, n_rep, d].
-
-The differential kernels (`DIFF_KERNELS`; `select_kernel` picks one) all take
-
-    q      : [B, 2h, T, d]       projected, rotated queries, "halves" order: q1 = q[:, :h], q2 = q[:, h:]
-    k      : [B, h_kv, S, 2d]    cached keys packed per kv head as (k1 | k2): k1 = k[..., :d], k2 = k[..., d:]
-    v      : [B, h_kv, S, dv]
-    lam    : 0-dim fp32 tensor
-    return : ([B, T, h, dv] fp32 difference, attention map or None)
-
-Keys are cached as one [B, h_kv, S, 2d] tensor so that K and V share one head count (one cache layer per
-attention layer), both branches read their keys as zero-copy views, and (with dv = 2d) a zero-padded query attends
-to the packed keys in one standard-attention call per branch (`branch_calls`).
+The attention of a layer projects q [B, 2h, T, d] (halves order), keys packed [B, h_kv, T, 2d] = (k1 | k2) and
+v [B, h_kv, T, dv] (the packed layout of kernel_common.py), updates the cache with the packed keys, and runs the
+differential kernel that `select_kernel` (attention_kernels.py) names for the backend and inputs. Shape names are
+those of kernel_common.py.
 """
 
 import functools
 import inspect
 import threading
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from types import SimpleNamespace
 from typing import Unpack
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
@@ -55,6 +40,7 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto import AutoModel
+from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -65,14 +51,21 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
-    repeat_kv,
 )
 from transformers.utils import TransformersKwargs, is_torchdynamo_compiling
 
+from .attention_kernels import (
+    BRANCH_MAPS,
+    DIFF_FLASH,
+    DIFF_KERNELS,
+    eager_v2_attention,
+    select_kernel,
+    triton_available,
+)
 from .configuration_diff import DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import match_weight_file_modes, saved_folder_defaults
-from .kernel_tiled import autocast_off, mask_scores_, tiled_diff_attention, tiled_is_faster
+from .kernel_common import upcast
 from .paged_cache import (
     PAGED_EAGER,
     PagedLayerCache,
@@ -82,20 +75,6 @@ from .paged_cache import (
     with_paged_cache_view,
 )
 from .peft_defaults import register_peft_defaults
-
-try:
-    from .kernel_diff_flash import diff_flash_attention, triton_available, unfit_reason
-except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
-    diff_flash_attention = None
-
-    def triton_available() -> tuple[bool, str]:
-        return False, "the diff_flash kernel module could not be imported; use attn_implementation='sdpa'"
-
-    def unfit_reason(head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> str:
-        return ""
-
-
-DIFF_FLASH = "diff_flash"  # the fused kernel's name as an `attn_implementation`
 
 register_peft_defaults()  # with the model code, so LoraConfig() needs no target_modules under trust_remote_code too
 
@@ -116,11 +95,6 @@ def check_cache_argument(kwargs: dict) -> None:
         if name not in CACHE_NAMES and (isinstance(value, Cache) or name in ("past_key_value", "layer_past", "past")):
             raise TypeError(f"{name}={type(value).__name__} is not a cache argument of this model, which would ignore "
                             f"it; pass the cache as `{CACHE_KWARG}`")
-
-
-def upcast(tensor: torch.Tensor) -> torch.Tensor:
-    """fp32, or float64 for float64 inputs (the precision of the differential math, whatever the input dtype)."""
-    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
@@ -157,8 +131,8 @@ class DiffLambda(nn.Module):
             return self.frozen
         return compute_lambda(self.q1, self.k1, self.q2, self.k2, self.lambda_init)
 
-    def extra_repr(self) -> str:
-        return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"
+    def extra_repr(self) -> str:  # not lambda_init, which differs per layer: print(model) folds like Llama's
+        return f"head_dim={self.q1.numel()}"
 
 
 FREEZE_LOCK = threading.Lock()
@@ -188,133 +162,6 @@ def frozen_lambdas(model: nn.Module) -> Iterator[None]:
                 module.frozen_depth -= 1
                 if module.frozen_depth == 0:
                     module.frozen = None
-
-
-def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q [B, 2h, T, d] -> q1, q2 [B, h, T, d]; packed k [B, h_kv, S, 2d] -> k1, k2 [B, h_kv, S, d] (views)."""
-    h, d = q.shape[1] // 2, q.shape[-1]
-    return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
-
-
-def masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """fp32 (float64) scores q k^T * scaling [B, H, T, S] with transformers' mask applied (`mask_scores_`)."""
-    scores = torch.matmul(upcast(q) * scaling, upcast(k).transpose(2, 3))
-    return mask_scores_(scores, None if mask is None else mask[..., : k.shape[2]])
-
-
-# `capture_branch_attentions` collects (A1, A2, lambda) of every eager differential layer here.
-BRANCH_MAPS: ContextVar[list | None] = ContextVar("diff_branch_maps", default=None)
-
-
-@autocast_off
-def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """The paper's formula as written: both softmax maps in fp32, their difference A1 - lambda A2, times V; the one
-    kernel that returns the map (and feeds `capture_branch_attentions`). Returns (out [B, T, h, dv] fp32, the
-    differential map [B, h, T, S])."""
-    q1, q2, k1, k2 = split_branches(q, k)
-    k1, k2, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, k2, v))  # [B, h, S, .]
-    a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
-    a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)
-    if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
-        branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
-    diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2
-    return torch.matmul(diff_map, upcast(v)).transpose(1, 2), diff_map.to(q.dtype)
-
-
-def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
-    """Per branch, the (query, key, value) standard-attention calls whose outputs concatenate to A_b V.
-
-    FlashAttention kernels need equal q/k/v head dims (transformers' flash path silently pads/crops a wider V, and
-    torch's fused sdpa kernels fall back to the slow math path). When V is as wide as the packed keys (dv = 2d, the
-    paper's layout) each branch is ONE call without copying K or V: the zero-padded query [q1, 0] (or [0, q2])
-    dotted with (k1 | k2) is exactly q1.k1 (or q2.k2). Otherwise V is split in d-wide chunks against k1 / k2.
-    """
-    q1, q2, k1, k2 = split_branches(q, k)
-    d = q.shape[-1]
-    if v.shape[-1] == k.shape[-1]:
-        return [[(F.pad(q1, (0, d)), k, v)], [(F.pad(q2, (d, 0)), k, v)]]  # queries [B, h, T, 2d]
-    chunks = v.split(d, dim=-1)
-    return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
-
-
-def standard_attention_calls(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Two standard-attention calls per branch through transformers' attention interface (sdpa, flash, flex)."""
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, sdpa_attention_forward)
-    branch_outputs = []
-    for calls in branch_calls(q, k, v):
-        parts = [attend(module, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
-        branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h, dv]
-    return branch_outputs[0] - lam * branch_outputs[1], None
-
-
-def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """One query row (T = 1, dv = 2d) in ONE torch sdpa call: per kv head, both branches' zero-padded queries [q1, 0]
-    and [0, q2] of its n_rep heads attend the packed keys as 2 n_rep query rows (a decode step's single row sees
-    every key, and its [B, 1, 1, S] mask broadcasts over the rows). torch's sdpa is called directly because
-    transformers' wrapper expects h query heads of one row."""
-    batch, d, h_kv, dv = q.shape[0], q.shape[-1], k.shape[1], v.shape[-1]
-    q_BKbRD = q.reshape(batch, 2, h_kv, -1, d).transpose(1, 2)  # [B, h_kv, branch, n_rep, d]
-    padded = q.new_zeros(*q_BKbRD.shape[:-1], 2, d)  # [B, h_kv, branch, n_rep, half, d]
-    padded.diagonal(dim1=2, dim2=-2).copy_(q_BKbRD.movedim(2, -1))  # branch b's query in half b: [q1, 0], [0, q2]
-    padded = padded.view(batch, h_kv, -1, 2 * d)  # [B, h_kv, 2 n_rep, 2d], rows ordered (branch, n_rep)
-    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=attention_mask, scale=scaling)  # [B, h_kv, 2n_rep, dv]
-    out = out.float().view(batch, h_kv, 2, -1, dv)  # [B, h_kv, branch, n_rep, dv]
-    return torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1).view(batch, 1, -1, dv), None
-
-
-def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Both branches of a tile of query rows in one softmax and one product with V (`tiled_diff_attention`)."""
-    return tiled_diff_attention(q, k, v, lam, attention_mask, scaling), None
-
-
-def diff_flash_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """The one-pass Triton kernel: both softmaxes once per tile, V read once (`diff_flash_attention`).
-
-    A skipped sdpa mask (None) with T > 1 means sdpa's top-left `is_causal`: a static cache's prefill has
-    S = max_cache_len > T, so the keys past T (unfilled slots) are dropped before the kernel's bottom-right causal.
-    """
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        raise ValueError(f"{DIFF_FLASH} expects transformers' boolean sdpa mask, got {attention_mask.dtype}")
-    length = q.shape[2]
-    if attention_mask is None and length > 1:
-        k, v = k[:, :, :length], v[:, :, :length]  # [B, h_kv, T, .]
-    q1, q2, k1, k2 = split_branches(q, k)
-    out = diff_flash_attention(q1, q2, k1, k2, v, lam, scaling=scaling, causal=True, mask=attention_mask)
-    return out.transpose(1, 2).float(), None
-
-
-# The differential kernels. Each takes (module, q, k, v, lam, attention_mask, scaling, **kwargs) in the layout of
-# the module docstring and returns (out [B, T, h, dv] fp32, the differential map or None); `select_kernel` picks one.
-DIFF_KERNELS: dict[str, Callable] = {
-    "eager": eager_diff_attention,  # the spec; the only one that returns the map
-    "sdpa_decode_step": sdpa_decode_step,  # T = 1: both branches in one torch sdpa call
-    "tiled": tiled_kernel,  # CPU, T > 128: Llama's FLOPs instead of two calls' 2x
-    "standard_calls": standard_attention_calls,  # the user's sdpa / flash / flex kernel, twice
-    DIFF_FLASH: diff_flash_kernel,  # Triton, one pass for both branches
-}
-
-
-def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
-    torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
-    or a GPU that `diff_flash` has no tile for make the standard calls too, with a warning."""
-    if implementation == PAGED_EAGER:  # transformers' eager on continuous batching's paged cache
-        implementation = "eager"
-    if implementation == DIFF_FLASH:
-        reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
-        if reason:
-            warnings.warn(f"{DIFF_FLASH} cannot run {reason}; these layers make two standard attention "
-                          "calls instead", stacklevel=2)
-            return "standard_calls"
-    if implementation in ("eager", DIFF_FLASH):
-        return implementation
-    if implementation != "sdpa" or is_torchdynamo_compiling():
-        return "standard_calls"
-    if q.shape[2] == 1 and v.shape[-1] == k.shape[-1]:
-        return "sdpa_decode_step"
-    if q.shape[2] == 1 or (q.device.type == "cpu" and tiled_is_faster(q)):
-        return "tiled"
-    return "standard_calls"
 
 
 class DifferentialAttentionBase(nn.Module):
@@ -392,19 +239,6 @@ class DiffAttention(DifferentialAttentionBase):
         return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map
 
 
-@autocast_off
-def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
-    """DIFF V2 with materialised maps: softmax of the 2h heads in fp32, head pair (2j, 2j+1) differenced with the
-    per-token gate, A_2j - gate_j A_2j+1, times the pair's V. Returns (out [B, T, h, d] fp32, map [B, h, T, S])."""
-    batch, _, length, _ = q.shape
-    k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, 2h, S, d]
-    v = repeat_kv(v, q.shape[1] // 2 // v.shape[1])  # [B, h, S, d]: a pair shares its kv head
-    scores = masked_scores(q, k, attention_mask, scaling)  # [B, 2h, T, S]
-    pairs = torch.softmax(scores, dim=-1).view(batch, -1, 2, length, k.shape[-2])  # [B, h, pair, T, S]
-    diff_map = pairs[:, :, 0] - gate.transpose(1, 2)[..., None] * pairs[:, :, 1]  # [B, h, T, S]
-    return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
-
-
 class DiffV2Attention(DifferentialAttentionBase):
     """DIFF V2: one attention call over 2h heads of dim d; head pair (2j, 2j+1) gives
     out_j = attn_2j - sigmoid(lambda_proj(x))_j attn_2j+1. No SubLN, no (1 - lambda_init)."""
@@ -452,7 +286,7 @@ class DiffStandardAttention(LlamaAttention):
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         widen = config.value_head_dim // config.head_dim
-        heads = SimpleNamespace(
+        heads = LlamaConfig(
             hidden_size=config.hidden_size, head_dim=config.head_dim, attention_dropout=0.0,
             num_attention_heads=config.num_attention_heads * widen,
             num_key_value_heads=config.num_key_value_heads * widen, attention_bias=config.attention_bias,

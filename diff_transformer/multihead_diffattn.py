@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from .kernel_naive import naive_packed_diff_attention
-from .modeling_diff import DIFF_FLASH, DIFF_KERNELS, SubLN, compute_lambda, select_kernel
+from .attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel
+from .kernel_naive import naive_diff_attention
+from .modeling_diff import SubLN, compute_lambda
 
 IMPLEMENTATIONS = ("eager", "sdpa", "tiled", DIFF_FLASH)
 SUBLN_EPS = 1e-5  # the published module's SubLN epsilon
@@ -158,7 +159,7 @@ class MultiheadDiffAttn(nn.Module):
         mask = kernel_mask(attn_mask, batch, length, implementation)
         lam = compute_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
         if x.dtype == torch.float64:  # the kernels compute in fp32; float64 (checks) runs the float64 reference
-            out = naive_packed_diff_attention(q, k, v, lam, mask, self.scaling)  # [B, T, h, 2d]
+            out = naive_diff_attention(q, k, v, lam, self.scaling, mask=mask)  # [B, T, h, 2d]
         else:
             kernel = "tiled" if implementation == "tiled" else select_kernel(implementation, q, k, v)
             out, _ = DIFF_KERNELS[kernel](self, q, k, v, lam, mask, self.scaling)  # [B, T, h, 2d] fp32

@@ -6,7 +6,7 @@
 
 With a DeepSpeed config (configs/deepspeed_zero3.json) `Trainer` runs DeepSpeed ZeRO instead of plain DDP.
 Rank 0 prints the number of processes and writes what `train` returns to OUT_DIR/results.json. Used by
-tests/test_accelerate.py, tests/test_sharded.py.
+tests/test_training.py.
 """
 
 import os

@@ -7,7 +7,7 @@ step trains GLOBAL_BATCH sequences, split evenly over the processes, so any proc
 The trained model is saved sharded with torch.distributed.checkpoint to OUT_DIR/checkpoint (one file per process,
 plus config.json); `consolidate` turns that into a `from_pretrained` folder. Rank 0 writes OUT_DIR/results.json:
 the loss per step, the parameter elements each process holds, and the trained model's logits on the first
-EVAL_ROWS sequences. Used by tests/test_sharded.py.
+EVAL_ROWS sequences. Used by tests/test_training.py.
 """
 
 import sys

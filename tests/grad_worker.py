@@ -1,4 +1,4 @@
-"""The gradients of the first training step on several processes, for tests/test_sharded.py:
+"""The gradients of the first training step on several processes, for tests/test_training.py:
 
     torchrun --nproc_per_node 2 tests/grad_worker.py OUT_DIR ddp|fsdp
 

@@ -169,15 +169,16 @@ def reference_lambda(weights: dict, config: DiffConfig, layer_idx: int) -> tuple
 
 
 def reference_projections(x: torch.Tensor, weights: dict, config: DiffConfig) -> tuple[torch.Tensor, ...]:
-    """x [B, T, hidden] -> rotated q1, q2 [B, h, T, d], k1, k2 [B, h_kv, T, d] and v [B, h_kv, T, dv] from the raw
-    fp64 weights q, k, v, laid out as docs/design.md section 2 says."""
+    """x [B, T, hidden] -> the kernels' packed layout from the raw fp64 weights q, k, v, laid out as docs/design.md
+    section 2 says: rotated q [B, 2h, T, d] (branch-1 heads, then branch-2), keys packed [B, h_kv, T, 2d] = (k1 | k2)
+    and v [B, h_kv, T, dv]."""
     h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
     batch, length, _ = x.shape
     positions, theta = torch.arange(length), config.rope_parameters["rope_theta"]
     q = rope((x @ weights["q"].T).view(batch, length, 2 * h, d).transpose(1, 2), positions, theta)  # [B, 2h, T, d]
     k = rope((x @ weights["k"].T).view(batch, length, 2 * h_kv, d).transpose(1, 2), positions, theta)
     v = (x @ weights["v"].T).view(batch, length, h_kv, dv).transpose(1, 2)  # [B, h_kv, T, dv]
-    return q[:, :h], q[:, h:], k[:, :h_kv], k[:, h_kv:], v
+    return q, torch.cat([k[:, :h_kv], k[:, h_kv:]], dim=-1), v  # k [B, 2h_kv, T, d] -> [B, h_kv, T, 2d]
 
 
 def causal_allowed(length: int, key_valid: torch.Tensor | None) -> torch.Tensor:
@@ -189,25 +190,27 @@ def causal_allowed(length: int, key_valid: torch.Tensor | None) -> torch.Tensor:
 def reference_diff_attention(x, weights: dict, config: DiffConfig, layer_idx: int, key_valid=None):
     """x [B, T, hidden] -> [B, T, hidden] from the raw fp64 weights q, k, v, o, lq1, lk1, lq2, lk2, subln; the
     attention itself is `naive_diff_attention`."""
-    q1, q2, k1, k2, v = reference_projections(x, weights, config)
+    q, k, v = reference_projections(x, weights, config)
     lam, lam_init = reference_lambda(weights, config, layer_idx)
     mask = causal_allowed(x.shape[1], key_valid)
-    heads = naive_diff_attention(q1, q2, k1, k2, v, lam, config.head_dim**-0.5, mask=mask)  # [B, h, T, dv]
+    heads = naive_diff_attention(q, k, v, lam, config.head_dim**-0.5, mask=mask)  # [B, T, h, dv]
     if config.use_subln:
         heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
         heads = (1 - lam_init) * heads * weights["subln"]
-    return heads.transpose(1, 2).flatten(2) @ weights["o"].T
+    return heads.flatten(2) @ weights["o"].T
 
 
 def reference_branch_maps(x: torch.Tensor, weights: dict, config: DiffConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal softmax maps A1, A2 [B, h, T, T] of x [B, T, hidden]: `naive_diff_attention` with lambda 0 and
     V = the identity (so its output is A1), and with the branches swapped for A2."""
-    q1, q2, k1, k2, _ = reference_projections(x, weights, config)
+    q, k, _ = reference_projections(x, weights, config)
     batch, length = x.shape[:2]
-    identity = torch.eye(length, dtype=x.dtype).expand(batch, k1.shape[1], length, length)  # [B, h_kv, S, S]
+    h, d = q.shape[1] // 2, q.shape[-1]
+    identity = torch.eye(length, dtype=x.dtype).expand(batch, k.shape[1], length, length)  # [B, h_kv, S, S]
     zero, scaling, mask = torch.zeros((), dtype=x.dtype), config.head_dim**-0.5, causal_allowed(length, None)
-    a1 = naive_diff_attention(q1, q2, k1, k2, identity, zero, scaling, mask=mask)
-    a2 = naive_diff_attention(q2, q1, k2, k1, identity, zero, scaling, mask=mask)
+    swapped_q, swapped_k = torch.cat([q[:, h:], q[:, :h]], dim=1), torch.cat([k[..., d:], k[..., :d]], dim=-1)
+    a1 = naive_diff_attention(q, k, identity, zero, scaling, mask=mask).transpose(1, 2)  # [B, h, T, T]
+    a2 = naive_diff_attention(swapped_q, swapped_k, identity, zero, scaling, mask=mask).transpose(1, 2)
     return a1, a2
 
 
@@ -319,3 +322,48 @@ def assert_decode_matches_full_forward(model, reference, prompts: list[torch.Ten
         cached = torch.stack([step_logits[i] for step_logits in out.logits])  # [steps, vocab]
         assert_close(cached, full, torch.float32, f"{what}: prompt {i}, cached decode vs full forward logits",
                      "backend")
+
+
+SAVED_FOLDERS = ("diff", "word", "no-tokenizer", "gpt2", "llama", "binary.bin")
+
+
+def saved_folders(root: os.PathLike, names: tuple[str, ...] = SAVED_FOLDERS) -> os.PathLike:
+    """Folders a user may point the package at, under `root` (the error-message tests' fixtures): diff (a DIFF model
+    with an English BPE tokenizer), word (one with the synthetic task's word-level tokenizer), no-tokenizer, gpt2,
+    llama, and a binary file, binary.bin; only those in `names`."""
+    from pathlib import Path
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from diff_transformer import DiffForCausalLM
+    from diff_transformer.tools.data import KeyValueTask
+    from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+    from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+
+    def save_diff(path: Path, tokenizer) -> Path:
+        DiffForCausalLM(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=512)).save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+
+    root = Path(root)
+    if {"diff", "gpt2"} & set(names):
+        texts = list(FILLER) * 20 + [needle(c, str(1000 + i)) for i, c in enumerate(CITIES)] * 3
+        english = train_bpe_tokenizer(texts=texts + [f"What is the magic number of {c}?" for c in CITIES],
+                                      vocab_size=400)
+    if "diff" in names:
+        save_diff(root / "diff", english)
+    if "word" in names:
+        save_diff(root / "word", KeyValueTask().tokenizer())
+    if "no-tokenizer" in names:
+        DiffForCausalLM(tiny_config()).save_pretrained(root / "no-tokenizer")
+    if "gpt2" in names:
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(english))).save_pretrained(
+            root / "gpt2")
+        english.save_pretrained(root / "gpt2")
+    if "llama" in names:
+        LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2)).save_pretrained(root / "llama")
+    if "binary.bin" in names:
+        (root / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    return root

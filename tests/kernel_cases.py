@@ -21,7 +21,6 @@ class Case:
     DV: int | None = None  # value head dim; None: 2D
     attn: str = "causal"  # "causal" (no mask: bottom-right causal), "full" (no mask, no causality) or "padmask"
     rows: int | None = None  # query rows per tile of the tiled kernel; None: its default
-    packed: bool = False  # the Triton kernel's q1/q2, k1/k2 are views of a [B, 2H, T, D] q and a [B, KV, S, 2D] k
 
     @property
     def dv(self) -> int:
@@ -29,10 +28,10 @@ class Case:
 
     @property
     def id(self) -> str:
-        """e.g. B2-T24-S40-H4-KV1-D16-padmask: S, KV, DV, R(ows), attn and packed only where not the default."""
+        """e.g. B2-T24-S40-H4-KV1-D16-padmask: S, KV, DV, R(ows) and attn only where not the default."""
         parts = [f"B{self.B}", f"T{self.T}", f"S{self.S}" * (self.S != self.T), f"H{self.H}",
                  f"KV{self.KV}" * (self.KV != self.H), f"D{self.D}", f"DV{self.DV}" * (self.DV is not None),
-                 f"R{self.rows}" * (self.rows is not None), self.attn * (self.attn != "causal"), "packed" * self.packed]
+                 f"R{self.rows}" * (self.rows is not None), self.attn * (self.attn != "causal")]
         return "-".join(part for part in parts if part)
 
 
@@ -63,16 +62,13 @@ def seeded_randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def leaves(case: Case, dtype: torch.dtype, packed: bool = True, device: str = "cpu") -> list[torch.Tensor]:
-    """Seeded inputs that require grad, then lambda (fp32, 0.37). packed: q [B, 2H, T, D] in halves order, keys
-    [B, KV, S, 2D] = (k1 | k2), v [B, KV, S, DV]; else q1, q2 [B, H, T, D], k1, k2 [B, KV, S, D], v."""
+def leaves(case: Case, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
+    """Seeded inputs in the kernels' packed layout that require grad: q [B, 2H, T, D] in halves order, keys
+    [B, KV, S, 2D] = (k1 | k2), v [B, KV, S, DV], then lambda (fp32, 0.37)."""
     gen = torch.Generator().manual_seed(1234)
     B, T, S, H, KV, D = case.B, case.T, case.S, case.H, case.KV, case.D
-    if packed:
-        shapes = [(B, 2 * H, T, D), (B, KV, S, 2 * D)]
-    else:
-        shapes = [(B, H, T, D), (B, H, T, D), (B, KV, S, D), (B, KV, S, D)]
-    tensors = [torch.randn(*shape, generator=gen).to(device, dtype) for shape in (*shapes, (B, KV, S, case.dv))]
+    shapes = [(B, 2 * H, T, D), (B, KV, S, 2 * D), (B, KV, S, case.dv)]
+    tensors = [torch.randn(*shape, generator=gen).to(device, dtype) for shape in shapes]
     return [t.requires_grad_() for t in (*tensors, torch.tensor(0.37, device=device))]
 
 

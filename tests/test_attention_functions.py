@@ -1,4 +1,4 @@
-"""Each attn_implementation's attention function (modeling_diff.py) against the naive float64 reference, called as
+"""Each attn_implementation's attention function (attention_kernels.py) against the naive float64 reference, called as
 DiffAttention calls it, with the mask transformers builds for that implementation: outputs and gradients of q,
 packed k, v and lambda. The cases reach every sdpa route on CPU: per-branch calls (with V one call wide, or split
 when dv = d), the one-call decode step, and the tiled kernel.
@@ -15,8 +15,8 @@ from kernel_cases import Case, check_against_reference, empty_rows, key_valid, l
 from helpers import tiny_config
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
-from diff_transformer import modeling_diff
-from diff_transformer.kernel_naive import naive_packed_diff_attention
+from diff_transformer import attention_kernels, modeling_diff
+from diff_transformer.kernel_naive import naive_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -27,7 +27,7 @@ TOLERANCE_KIND = {"eager": "tiled", "sdpa": "sdpa", "flex_attention": "sdpa", "d
 
 def attend(implementation: str, case: Case, q, k, v, lam) -> torch.Tensor:
     """Out [B, T, h, dv] of `implementation`'s attention function for q [B, 2h, T, d], packed k [B, h_kv, S, 2d],
-    v [B, h_kv, S, dv]. The one place that names modeling_diff's attention functions and how DiffAttention calls
+    v [B, h_kv, S, dv]. The one place that names the attention functions and how DiffAttention calls
     them; the mask is what transformers builds for the implementation when the queries are the last T of S keys."""
     config = tiny_config(num_attention_heads=case.H, num_key_value_heads=case.KV, head_dim=case.D,
                          value_head_dim=case.dv)
@@ -39,7 +39,7 @@ def attend(implementation: str, case: Case, q, k, v, lam) -> torch.Tensor:
         mask_function=causal_mask_function, attention_mask=None if valid is None else valid.to(DEVICE),
         allow_is_causal_skip=True, dtype=q.dtype, config=config, use_vmap=False, device=DEVICE,
     )
-    kernel = modeling_diff.DIFF_KERNELS[modeling_diff.select_kernel(implementation, q, k, v)]
+    kernel = attention_kernels.DIFF_KERNELS[attention_kernels.select_kernel(implementation, q, k, v)]
     return kernel(module, q, k, v, lam, mask, case.D**-0.5)[0]
 
 
@@ -51,7 +51,8 @@ DECODE_PADDED = Case(2, 1, 13, 2, 1, 16, attn="padmask")
 NARROW_V = Case(2, 12, 12, 2, 1, 16, DV=16)  # dv = d: sdpa splits V per call
 LONG = Case(1, 160, 160, 2, 1, 32)  # T > 128 and d >= 32: sdpa runs the tiled kernel on CPU
 ALL_CASES = [PREFILL, PREFILL_PADDED, CHUNK_PADDED, DECODE, DECODE_PADDED, NARROW_V, LONG]
-needs_triton = pytest.mark.skipif(not modeling_diff.triton_available()[0], reason=modeling_diff.triton_available()[1])
+needs_triton = pytest.mark.skipif(not attention_kernels.triton_available()[0],
+                                  reason=attention_kernels.triton_available()[1])
 uncompiled_flex = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 CASES = {
     "eager": (ALL_CASES, []),
@@ -74,7 +75,7 @@ def test_attention_function_matches_reference(implementation: str, case: Case):
         inputs, names = [t.detach() for t in inputs], NAMES[:1]
     with torch.compiler.set_stance("force_eager"):
         got = check_against_reference(lambda *t: attend(implementation, case, *t),
-                                      lambda *t: naive_packed_diff_attention(*t, mask, scaling), inputs, grad_out,
+                                      lambda *t: naive_diff_attention(*t, scaling, mask=mask), inputs, grad_out,
                                       names, torch.float32, TOLERANCE_KIND[implementation],
                                       f"{implementation} {case.id}", rows=~empty)
     assert got["out"].dtype == torch.float32

@@ -14,8 +14,8 @@ from helpers import (DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer import modeling_diff
-from diff_transformer.modeling_diff import DIFF_FLASH, triton_available
+from diff_transformer import attention_kernels, modeling_diff
+from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
 HAS_CUDA = torch.cuda.is_available()
@@ -90,7 +90,7 @@ def test_sdpa_tiled_cpu_route_matches_eager(monkeypatch, heads, padded):
     """B2-T160-H2-D64, 1 layer: long enough for sdpa's CPU route to take the tiled kernel (two tiles); loss,
     logits and every parameter gradient vs eager."""
     calls = []
-    monkeypatch.setattr(modeling_diff, "tiled_diff_attention",
+    monkeypatch.setattr(attention_kernels, "tiled_diff_attention",
                         lambda *args: calls.append(args[0].shape) or tiled_diff_attention(*args))
     tokens, mask = batch_and_mask(padded, length=160)
     results = {name: loss_and_grads(build(name, hidden_size=256, **HEADS[heads]).train(), tokens, mask)
@@ -174,14 +174,14 @@ def test_fused_kernel_receives_expected_masks(monkeypatch):
     """How the sdpa mask reaches diff_flash: None (no padding: prefill T == S, decode T == 1), bool [B, 1, T, S]
     (left padding; static-cache decode). With a static cache the skipped prefill mask comes with S > T."""
     seen = []
-    fused = modeling_diff.DIFF_KERNELS[DIFF_FLASH]
+    fused = attention_kernels.DIFF_KERNELS[DIFF_FLASH]
 
     def spy(module, q, k, v, lam, attention_mask, scaling, **kwargs):
         mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
         seen.append((q.shape[2], k.shape[2], mask))
         return fused(module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
-    monkeypatch.setitem(modeling_diff.DIFF_KERNELS, DIFF_FLASH, spy)
+    monkeypatch.setitem(attention_kernels.DIFF_KERNELS, DIFF_FLASH, spy)
     model = build(DIFF_FLASH)
     tokens, mask = batch_and_mask(padded=True, length=6)
     model.generate(tokens, max_new_tokens=2, do_sample=False)

@@ -1,17 +1,17 @@
-"""The `diff-transformer` command line (issue #2): `train` saves a folder that reloads through the Auto classes and
-`generate` continues a prompt with it, on the built-in retrieval task and on a user's text file. Short runs: these
-check the plumbing of the README's main job, not how well it learns."""
+"""The command line at work: each command's parser and runner, `train` then `generate`.
+
+`train` saves a folder that reloads through the Auto classes and `generate` continues a prompt with it, on the built-in
+retrieval task and on a user's text file. Short runs: these check the plumbing of the README's main job, not how well it
+learns. What the commands refuse: test_cli_inputs.py."""
 
 import re
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer_cli import main
-
+from diff_transformer_cli import PARSERS, build_parser, main, runner
 
 
 def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
@@ -33,6 +33,15 @@ def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
 def generated_line(output: str) -> str:
     """The text after the last "generated: ", which may span lines; print's closing newline dropped."""
     return output.rsplit("generated: ", 1)[1].removesuffix("\n")
+
+
+def test_each_command_has_one_parser_and_one_runner():
+    """PARSERS is the one table of commands: each adds one subcommand, which runs as run_<name> of the commands
+    module."""
+    names = list(build_parser()._subparsers._group_actions[0].choices)
+    assert len(names) == len(PARSERS) == len(set(names)), names
+    for name in names:
+        assert runner(name).__name__ == f"run_{name.replace('-', '_')}", name
 
 
 def test_train_default_task_then_generate(tmp_path, capsys):

@@ -1,8 +1,13 @@
-"""Bad input to the command line is refused before the work starts, in one line naming the fix (issue #33):
-non-finite numbers, output folders that cannot be written or hold a saved model, prompts and lengths beyond the
-model's context, baselines whose tokenizer reads the evaluation text differently, a config.json that is not JSON.
-Also what `train` leaves behind: nothing on Ctrl-C; a folder whose files share one mode, with its training settings
-recorded for the model card."""
+"""The command line's input checks: what each command refuses, before any work, in one line naming the fix.
+
+A newcomer's mistakes (mistyped folders, a folder of another model, bad numbers, impossible evaluation settings) get
+exit status 2 and no traceback; --debug shows it. Bad input is refused before the work starts: non-finite numbers,
+output folders that cannot be written or hold a saved model, prompts and lengths beyond the model's context,
+baselines whose tokenizer reads the evaluation text differently, a config.json that is not JSON, broken saved
+folders, and what ran silently wrong before (a diverging run, unknown words, NaN weights). Help and argument errors
+answer without importing torch. Also what `train` leaves behind: nothing on Ctrl-C, SIGTERM or a full disk; a folder
+whose files share one mode, with its training settings recorded for the model card. (The commands' work:
+test_cli.py.)"""
 
 import json
 import os
@@ -20,16 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import saved_folders, tiny_config
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from safetensors.torch import load_file, save_file
 
 from diff_transformer import DiffForCausalLM
+from diff_transformer.serving import server
 from diff_transformer.tools import hub_upload
 from diff_transformer.tools.commands import prompt_tail
 from diff_transformer.tools.data import KeyValueTask
 from diff_transformer.tools.evaluation import CITIES, FILLER, needle
+from diff_transformer.tools.folders import TOKENIZER_FILES
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
 
@@ -124,6 +131,69 @@ def test_refused_in_one_line(folders, capsys, name):
     assert not (folders / "noise.md").exists(), "refused before the evaluation ran"
 
 
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory) -> Path:
+    """diff (English BPE tokenizer), word (the synthetic task's word-level tokenizer), no-tokenizer, gpt2, llama,
+    and a binary file (helpers.saved_folders)."""
+    return saved_folders(tmp_path_factory.mktemp("mistakes"))
+
+
+CLI_MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is the mistakes fixture
+    "mistyped-generate": (["generate", "{d}/typo", "--prompt", "x"], "no such folder: {d}/typo"),
+    "mistyped-eval-needle": (["eval-needle", "{d}/typo"], "no such folder: {d}/typo"),
+    "mistyped-convert": (["convert", "{d}/typo", "{d}/out"], "no such folder: {d}/typo"),
+    "no-tokenizer": (["generate", "{d}/no-tokenizer", "--prompt", "x"], "has no tokenizer (tokenizer.json"),
+    "gpt2-generate": (["generate", "{d}/gpt2", "--prompt", "x"], "holds a 'gpt2' model, not a DIFF Transformer"),
+    "minutes": (["train", "--minutes", "-1"], "argument --minutes: '-1' must be a finite number > 0"),
+    "max-steps": (["train", "--max-steps", "0"], "argument --max-steps: '0' must be a whole number >= 1"),
+    "binary-data": (["train", "--data", "{d}/binary.bin"], "binary.bin is not UTF-8 text (byte 0x89 at offset 0)"),
+    "missing-data": (["train", "--data", "{d}/nope.txt"], "no such file: {d}/nope.txt"),
+    "heads": (["train", "--hidden-size", "60", "--heads", "4"], "--hidden-size (60) must be a multiple of 2 * --heads"),
+    "pairs": (["train", "--pairs", "20", "--keys", "16"], "--pairs (20) cannot exceed --keys (16)"),
+    "backend": (["train", "--attn-implementation", "flash"], "invalid choice: 'flash'"),
+    "lengths": (["eval-needle", "{d}/diff", "--lengths", "0"], "argument --lengths: '0' must be a whole number >= 1"),
+    "depths": (["eval-needle", "{d}/diff", "--depths", "150"], "'150' must be a percentage between 0 and 100"),
+    "needles": (["eval-needle", "{d}/diff", "--needles", "50"], f"needles must be between 1 and {len(CITIES)}"),
+    "queries": (["eval-needle", "{d}/diff", "--needles", "2", "--queries", "3"],
+                "queries must be between 1 and needles"),
+    "samples": (["eval-needle", "{d}/diff", "--samples", "0"], "argument --samples: '0' must be a whole number >= 1"),
+    "word-tokenizer": (["eval-needle", "{d}/word", "--lengths", "100"], "the tokenizer cannot encode the needle text"),
+    "short-prompt": (["eval-needle", "{d}/diff", "--lengths", "20"], "a 20-token prompt cannot hold 6 needles"),
+    "outliers-length": (["outliers", "{d}/diff", "--length", "0"], "argument --length: '0' must be a whole number"),
+    "outliers-top-k": (["outliers", "{d}/diff", "--top-k", "0"], "argument --top-k: '0' must be a whole number >= 1"),
+    "noise-baseline": (["attention-noise", "{d}/diff", "--baseline", "{d}/typo"], "no such folder: {d}/typo"),
+    "layers-word": (["convert", "{d}/llama", "{d}/out", "--layers", "one"], "'one': give 0-based layers as a range"),
+    "layers-range": (["convert", "{d}/llama", "{d}/out", "--layers", "0-9"], "out of range for a model with 2 layers"),
+    "convert-gpt2": (["convert", "{d}/gpt2", "{d}/out"], "cannot convert model_type 'gpt2'"),
+}
+
+
+@pytest.mark.parametrize("name", CLI_MISTAKES)
+def test_cli_answers_in_one_line(mistakes, capsys, name):
+    arguments, fragment = CLI_MISTAKES[name]
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(d=mistakes) for a in arguments])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    answer = err.strip().splitlines()[-1]  # loading bars of a model may come first
+    assert answer.startswith(f"diff-transformer {arguments[0]}: error: "), err
+    assert fragment.format(d=mistakes) in answer and "Traceback" not in err, err
+
+
+def test_debug_shows_the_traceback(mistakes):
+    with pytest.raises(ValueError, match="cannot convert model_type 'gpt2'"):
+        main(["convert", str(mistakes / "gpt2"), str(mistakes / "out"), "--debug"])
+
+
+def test_help_shows_defaults_and_backends(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    assert "(default: 10000)" in text and "diff_flash" in text and "(default: runs/diff-tiny)" in text
+
+
+
 FAST = {  # name: arguments answered without importing torch or transformers
     "help": ["--help"],
     "train-help": ["train", "--help"],
@@ -197,6 +267,56 @@ def test_bad_config_json_names_file_and_position(folders, tmp_path, capsys):
         assert f"{broken / 'config.json'} is not valid JSON: {position}; fix it, or save the model again" in line, line
     line = answer(["upload", str(broken), "user/model", "--dry-run"], capsys)
     assert f"{broken / 'config.json'} is not valid JSON: {position}" in line, line
+
+
+BROKEN_FOLDERS = {  # how a saved folder is broken: the start of the refusal, after the folder's name
+    "no-config": " has no config.json, so it is no saved model folder; model.save_pretrained(",
+    "config-not-json": "/config.json is not valid JSON: Expecting property name enclosed in double quotes at line 2 "
+                       "column 1; fix it, or save the model again with save_pretrained",
+    "no-tokenizer": f" has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the model's tokenizer there with ",
+    "no-weights": " has no safetensors weights; load the model and save it again with model.save_pretrained(",
+}
+
+
+def broken_copy(source: Path, folder: Path, case: str) -> Path:
+    shutil.copytree(source, folder)
+    if case == "no-config":
+        (folder / "config.json").unlink()
+    elif case == "config-not-json":
+        (folder / "config.json").write_text('{"model_type": "diff_transformer",\n')
+    for name in TOKENIZER_FILES if case == "no-tokenizer" else ():
+        (folder / name).unlink(missing_ok=True)  # tokenizer_config.json stays: settings, no vocabulary
+    for path in folder.glob("*.safetensors") if case == "no-weights" else ():
+        path.unlink()
+    return folder
+
+
+@pytest.mark.parametrize("case", BROKEN_FOLDERS)
+def test_cli_serve_and_upload_refuse_the_same_broken_folders(folders, tmp_path, capsys, case):
+    """The command line, `serve` and `upload` check a saved folder with the same functions
+    (diff_transformer/tools/folders.py): each refuses the same broken folder in the same line naming the fix."""
+    folder = broken_copy(folders / "diff", tmp_path / "model", case)
+    line = answer(["generate", str(folder), "--prompt", "x"], capsys)
+    with pytest.raises(ValueError) as served:
+        server.check_folder(str(folder))
+    with pytest.raises(hub_upload.UploadError) as uploaded:
+        hub_upload.check_inputs(folder, "user/model")
+    message = str(served.value)
+    assert message.startswith(f"{folder}{BROKEN_FOLDERS[case]}") and "\n" not in message, message
+    assert str(uploaded.value) == message and line.endswith(f"argument model: {message} (see diff-transformer "
+                                                            "generate --help)"), (line, str(uploaded.value))
+
+
+def test_folder_checks_import_no_torch(tmp_path):
+    """The command line loads the folder checks without torch, transformers, safetensors or the package's
+    __init__, from this checkout, as the module the package's code then shares."""
+    code = ("import sys, diff_transformer_cli\n"
+            "print(diff_transformer_cli.folders.__file__)\n"
+            "print(sys.modules['diff_transformer.tools.folders'] is diff_transformer_cli.folders)\n"
+            "print(sorted({'torch', 'transformers', 'safetensors', 'diff_transformer'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.stdout.split("\n")[:3] == [str(ROOT / "diff_transformer" / "tools" / "folders.py"), "True", "[]"], (
+        result.stdout, result.stderr[-2000:])
 
 
 def test_truncate_prompt_keeps_the_end_with_one_warning(folders, capsys):
@@ -516,3 +636,18 @@ def test_ctrl_c_during_training(tmp_path):
     assert "Traceback" not in err and re.search(
         r"\ndiff-transformer train: interrupted at step \d+ of 100000; nothing saved\n$", err), err[-3000:]
     assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+
+
+@pytest.mark.slow
+def test_console_script_answers_fast_without_hub(tmp_path):
+    """The installed command, online settings (no HF_HUB_OFFLINE): a typo is answered at once, in one line."""
+    (tmp_path / "runs").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env["PYTHONPATH"] = str(ROOT)
+    start = time.monotonic()
+    command = [sys.executable, "-m", "diff_transformer_cli", "generate", "runs/typo", "--prompt", "x"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "diff-transformer generate: error: argument model: no such folder: runs/typo" in result.stderr
+    assert time.monotonic() - start < 30, "answered only after waiting for the Hub"
+

@@ -1,4 +1,4 @@
-"""Conversion of Llama/Mistral/Qwen2 checkpoints and import of DiffLlama (issue #5)."""
+"""Conversion: Llama/Mistral/Qwen2 checkpoints converted, DiffLlama imported, and the lambda warmup that follows."""
 
 import warnings
 

@@ -26,34 +26,26 @@ _ok, _reason = triton_available()
 if not _ok:
     pytest.skip(_reason, allow_module_level=True)
 
-NAMES = ("out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam")
+NAMES = ("out", "dq", "dk", "dv", "dlam")
 CASES = [
     Case(2, 40, 40, 4, 2, 16),  # GQA, T and S not multiples of the tile
     Case(1, 33, 33, 2, 2, 16, DV=16),  # MHA, dv == d
     Case(2, 24, 40, 4, 1, 16),  # chunked prefill T < S, bottom-right causal, n_rep = 4
-    Case(2, 1, 37, 4, 2, 16, packed=True),  # decode step, strided views
-    Case(2, 36, 36, 4, 2, 16, attn="padmask", packed=True),  # left padding with fully masked rows
+    Case(2, 1, 37, 4, 2, 16),  # decode step
+    Case(2, 36, 36, 4, 2, 16, attn="padmask"),  # left padding with fully masked rows
     Case(1, 20, 44, 2, 1, 16, attn="full"),  # no causality, no mask
 ]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def branch_inputs(case: Case, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """(q1, q2, k1, k2, v, lam); for packed cases these are views of the leaves."""
-    if not case.packed:
-        return leaves
-    q, k, v, lam = leaves
-    return [q[:, : case.H], q[:, case.H :], k[..., : case.D], k[..., case.D :], v, lam]
-
-
 def check_kernel(case: Case, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Kernel outputs [B, H, T, DV] and gradients vs the reference on the same inputs; returns the kernel's."""
+    """Kernel outputs [B, T, H, DV] and gradients of the packed q, k, v and lambda vs the reference on the same
+    inputs (the kernel reads the branch halves as strided views); returns the kernel's."""
     options = dict(scaling=case.D**-0.5, causal=case.attn != "full", mask=padding_mask(case, DEVICE))
-    grad_out = seeded_randn(case.B, case.H, case.T, case.dv, seed=99).to(DEVICE)
-    inputs = branch_inputs(case, leaves(case, dtype, packed=case.packed, device=DEVICE))
+    grad_out = seeded_randn(case.B, case.T, case.H, case.dv, seed=99).to(DEVICE)
     return check_against_reference(lambda *t: diff_flash_attention(*t, **options),
-                                   lambda *t: naive_diff_attention(*t, **options), inputs, grad_out, NAMES, dtype,
-                                   "diff_flash", case.id)
+                                   lambda *t: naive_diff_attention(*t, **options), leaves(case, dtype, device=DEVICE),
+                                   grad_out, NAMES, dtype, "diff_flash", case.id)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dt: str(dt).removeprefix("torch."))
@@ -64,8 +56,9 @@ def test_kernel_matches_reference(case: Case, dtype: torch.dtype):
     if case.attn == "padmask":  # rows with no key to attend: exactly zero output and query grads
         empty = empty_rows(case).to(DEVICE)  # [B, T]
         assert empty.any()
-        for name in ("out", "dq1", "dq2"):
-            assert (got[name].transpose(1, 2)[empty] == 0).all(), f"{name} is not zero on fully masked rows"
+        assert (got["out"][empty] == 0).all(), "out is not zero on fully masked rows"
+        dq = got["dq"].view(case.B, 2, case.H, case.T, case.D).permute(0, 3, 1, 2, 4)  # [B, T, branch, H, D]
+        assert (dq[empty] == 0).all(), "dq is not zero on fully masked rows"
 
 
 # d = 64 and 128 with the tiles each GPU target runs (sm_XX: the target whose tiles the interpreter runs); T and S
@@ -73,8 +66,8 @@ def test_kernel_matches_reference(case: Case, dtype: torch.dtype):
 GPU_TILE_CASES = [
     *[(case, target) for target in (80, 86, 90) for case in (
         Case(1, 80, 80, 4, 2, 64),  # GQA, causal
-        Case(2, 40, 72, 2, 1, 128, attn="padmask", packed=True),  # paper head size, chunked prefill with padding
-        Case(1, 1, 70, 4, 2, 128, packed=True),  # decode step
+        Case(2, 40, 72, 2, 1, 128, attn="padmask"),  # paper head size, chunked prefill with padding
+        Case(1, 1, 70, 4, 2, 128),  # decode step
     )],
     (Case(1, 72, 72, 2, 2, 64, DV=64, attn="full"), 80),  # MHA, dv = d, no causality
     (Case(1, 70, 70, 4, 1, 128, DV=128), 90),  # n_rep = 4, dv = d
@@ -95,7 +88,16 @@ def test_float16(case: Case):
 
 
 def test_rejects_unsupported_head_dim():
-    q = torch.zeros(1, 2, 8, 24, device=DEVICE)
-    v = torch.zeros(1, 2, 8, 48, device=DEVICE)
+    q = torch.zeros(1, 4, 8, 24, device=DEVICE)
+    k = torch.zeros(1, 2, 8, 48, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):
-        diff_flash_attention(q, q, q, q, v, torch.tensor(0.5, device=DEVICE), scaling=24**-0.5)
+        diff_flash_attention(q, k, k, torch.tensor(0.5, device=DEVICE), scaling=24**-0.5)
+
+
+def test_rejects_unpacked_keys():
+    """Keys must be packed (k1 | k2) per kv head: a [B, h_kv, S, d] key tensor is refused before any work."""
+    q = torch.zeros(1, 4, 8, 16, device=DEVICE)
+    k = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"expected \[B, h_kv, S, 2d\]"):
+        diff_flash_attention(q, k, torch.zeros(1, 2, 8, 32, device=DEVICE), torch.tensor(0.5, device=DEVICE),
+                             scaling=0.25)

@@ -1,18 +1,30 @@
-"""Needle retrieval, attention noise and activation outliers (paper §3.4, Tables 3 and 5) on tiny models (issue #5)."""
+"""Evaluation: needle retrieval, attention noise and activation outliers, and the paper_small benchmark.
+
+Needle retrieval, attention noise and activation outliers (paper §3.4, Tables 3 and 5) on tiny models, their settings'
+checks and their tables without matplotlib; the paper_small benchmark's runs, quantization and reports."""
 
 import importlib.util
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
-from transformers import AutoModelForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
+from helpers import saved_folders, tiny_config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.models.llama import modeling_llama
 
-from diff_transformer import DiffForCausalLM
+from diff_transformer import DiffForCausalLM, capture_branch_attentions
+from diff_transformer.tools.data import KeyValueTask
 from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
@@ -242,6 +254,50 @@ def test_diffllama_differential_map_is_what_multiplies_v(tokenizer):
             f"layer {i}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}")
 
 
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """diff: a DIFF model and its English BPE tokenizer, saved (helpers.saved_folders)."""
+    return saved_folders(tmp_path_factory.mktemp("mistakes"), ("diff",))
+
+
+def test_tables_without_matplotlib_and_progress(folders, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    main(["eval-needle", str(folders / "diff"), "--lengths", "100", "--depths", "0", "50", "--needles", "2",
+          "--queries", "1", "--samples", "2", "--output", str(tmp_path / "needle")])
+    captured = capsys.readouterr()
+    assert "| 100 | " in captured.out and "matplotlib is not installed, so no" in captured.out, captured.out
+    assert "4/4" in captured.err, "eval-needle shows prompts done of the total"
+    assert (tmp_path / "needle.md").is_file() and not (tmp_path / "needle.png").exists()
+
+
+def test_needle_settings_and_prompts():
+    for fields, message in [({"needles": 50}, f"needles must be between 1 and {len(CITIES)}"),
+                            ({"needles": 2, "queries": 3}, "queries must be between 1 and needles"),
+                            ({"samples": 0}, "samples and digits must be >= 1"), ({"lengths": [0]}, "lengths must be"),
+                            ({"depths": [150]}, "depths are percentages")]:
+        with pytest.raises(ValueError, match=message):
+            NeedleSettings(**fields)
+    with pytest.raises(ValueError, match="the tokenizer cannot encode the needle text"):
+        build_needle_prompt(KeyValueTask().tokenizer(), 100, 50, NeedleSettings(), random.Random(0))
+
+
+def test_attention_maps_need_eager(folders):
+    model = DiffForCausalLM.from_pretrained(folders / "diff")  # sdpa
+    with pytest.raises(ValueError, match='attn_implementation="eager"'):
+        with capture_branch_attentions(model):
+            pass
+    settings = NeedleSettings(needles=2, queries=1)
+    tokenizer = AutoTokenizer.from_pretrained(folders / "diff")
+    prompt = build_needle_prompt(tokenizer, 100, 50, settings, random.Random(0))
+    with pytest.raises(ValueError, match="attention_noise reads attention maps.*'sdpa'"):
+        attention_noise(model, tokenizer, prompt)
+    for top_k, ids, message in [(0, torch.ones(1, 5, dtype=torch.long), "top_k must be at least 1"),
+                                (3, torch.ones(1, 0, dtype=torch.long), "input_ids is empty")]:
+        with pytest.raises(ValueError, match=message):
+            activation_outliers(model, ids, top_k)
+
+
+
 def load_paper_small():
     path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
     spec = importlib.util.spec_from_file_location("paper_small", path)
@@ -348,7 +404,7 @@ def test_paper_small_quantization_hooks_change_the_loss():
     16 bits changes it by < 1e-3, 2 bits by more than 0.1; the original functions are back after the block."""
     benchmark = load_paper_small()
     ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
-    originals = (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward)
+    originals = (benchmark.attention_kernels.masked_scores, modeling_llama.eager_attention_forward)
     for name, model in fitted_models(benchmark, ids).items():
         def loss() -> float:
             with torch.no_grad():
@@ -366,7 +422,7 @@ def test_paper_small_quantization_hooks_change_the_loss():
             assert abs(fine) < 1e-3, f"{name} {kind} at 16 bits: loss changes by {fine:.3e}"
             assert abs(coarse) > 0.1, f"{name} {kind} at 2 bits: loss changes by only {coarse:.3e}"
         assert loss() == base, f"{name}: a quantization hook outlived its block"
-    assert (benchmark.modeling_diff.masked_scores, modeling_llama.eager_attention_forward) == originals
+    assert (benchmark.attention_kernels.masked_scores, modeling_llama.eager_attention_forward) == originals
     with pytest.raises(ValueError, match="needs eager attention"):
         model.set_attn_implementation("sdpa")
         with benchmark.quantized_attention_logits(model, 8):

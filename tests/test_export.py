@@ -1,8 +1,9 @@
-"""The export routes of docs/export.md (issue #15): `torch.export` with dynamic batch and sequence up to the model's
-context, ONNX through `torch.onnx.export(dynamo=True)` run by onnxruntime, and transformers' ExecuTorch recipe
-(`TorchExportableModuleForDecoderOnlyLM`, unmodified: it allocates the static cache from the config), each against
-the eager model. The model is the README main job's (`diff-transformer
-train`), trained for a few steps."""
+"""Export: the routes of docs/export.md (torch.export, ONNX, ExecuTorch) against the eager model.
+
+`torch.export` with dynamic batch and sequence up to the model's context, ONNX through `torch.onnx.export(dynamo=True)`
+run by onnxruntime, and transformers' ExecuTorch recipe (`TorchExportableModuleForDecoderOnlyLM`, unmodified: it
+allocates the static cache from the config), each against the eager model. The model is the README main job's
+(`diff-transformer train`), trained for a few steps."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The GPU suite's CPU-safe parts (issue #29): its steps, their arguments, and what it says without a GPU."""
+"""The GPU suite's CPU-safe parts: its steps, their arguments, and what it says without a GPU."""
 
 import importlib.util
 import subprocess

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_config
 from peft import LoraConfig, get_peft_model
-from test_client_folder import run_without_package
+from test_saved_folder import run_without_package
 from transformers import (
     AutoConfig,
     AutoModelForQuestionAnswering,

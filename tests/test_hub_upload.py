@@ -1,6 +1,10 @@
-"""`diff-transformer upload` (issues #4, #17): --dry-run prepares a folder that loads without the package, with the
-defaults clients expect and a valid model card; docs/ecosystem.md's and the card's client calls run as written;
-clear errors for bad input."""
+"""Uploading to the Hub: `diff-transformer upload` and `python hub_upload.py`, the same command.
+
+--dry-run prepares a folder that loads without the package, with the defaults clients expect and a valid model card;
+docs/ecosystem.md's and the card's client calls run as written; clear errors for bad input. `python hub_upload.py`
+from a checkout is `diff-transformer upload`: the same parser and help, answered before torch or transformers is
+imported."""
+
 
 import json
 import os
@@ -13,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_client_folder import client_results, run_without_package
-from test_pipeline import save_tiny_folder
+from test_saved_folder import client_results, run_without_package
+from test_generation import save_tiny_folder
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools import hub_upload
@@ -215,3 +219,32 @@ def test_failed_check_leaves_the_folder_unchanged(tmp_path, monkeypatch, capsys)
     assert upload_exit_code([str(folder), "someone/x", "--dry-run"]) == 2
     assert "would not load with trust_remote_code=True (left unchanged)" in capsys.readouterr().err
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def run(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", *command], cwd=ROOT, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+def imported(result: subprocess.CompletedProcess) -> set[str]:
+    """Top-level names of the modules `-X importtime` saw imported."""
+    return {line.rpartition("|")[2].strip().split(".")[0] for line in result.stderr.splitlines()
+            if line.startswith("import time:")}
+
+
+def test_help_is_the_upload_commands_without_torch():
+    script = run("hub_upload.py", "--help")
+    assert script.returncode == 0, script.stderr[-2000:]
+    command = run("-m", "diff_transformer_cli", "upload", "--help")
+    assert script.stdout == command.stdout
+    assert "model_dir" in script.stdout and "--dry-run" in script.stdout
+    assert not imported(script) & {"torch", "transformers", "huggingface_hub"}, sorted(imported(script))
+
+
+def test_missing_arguments_fail_in_one_line_without_torch():
+    result = run("hub_upload.py", "some-folder")
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert errors == ["diff-transformer upload: error: the following arguments are required: repo_id "
+                      "(see diff-transformer upload --help)"], errors
+    assert "torch" not in imported(result)

@@ -1,8 +1,11 @@
-"""diff_flash fits the GPUs people train on, checked without one (issue #29).
+"""diff_flash fits the GPUs people train on, checked without one.
 
-Every tile the kernel ships is compiled ahead of time for sm_80, sm_86, sm_89 and sm_90 (benchmarks/kernel_fit.py,
-in a process without TRITON_INTERPRET) and must fit the target's shared memory without spilling a register; a
-combination without a tile is routed to the standard calls with one warning, and its output equals eager's.
+Every tile the kernel ships was compiled ahead of time for sm_80, sm_86, sm_89 and sm_90 (benchmarks/kernel_fit.py
+--record, in a process without TRITON_INTERPRET: minutes) into benchmarks/kernel_fit.json, and the tile table is
+generated from that record, which holds only tiles that fit the target's shared memory without spilling a register.
+Here: the record is of the kernels' current source, the generated files are a fresh generation, the largest tiles
+compile to the recorded figures, and a combination without a tile is routed to the standard calls with one warning,
+its output equal to eager's.
 """
 
 import difflib
@@ -16,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_close, build_stack
-from test_client_folder import run_without_package
+from test_saved_folder import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
-from diff_transformer.modeling_diff import DIFF_FLASH, select_kernel
+from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"
 spec = importlib.util.spec_from_file_location("kernel_fit", SCRIPT)
@@ -27,26 +30,52 @@ kernel_fit = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kernel_fit)
 
 
-@pytest.mark.skipif(kernels.triton is None, reason="needs triton")
-def test_every_shipped_tile_compiles_fits_and_does_not_spill(tmp_path):
-    """fp16 stands for bf16 (identical figures), fp32 has its own tiles; each kernel in each masking mode."""
+def compile_rows(tmp_path: Path, *options: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """Rows of `kernel_fit.py *options --json`, compiled in a process without TRITON_INTERPRET."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "fit.json")], env=env,
+    done = subprocess.run([sys.executable, str(SCRIPT), *options, "--json", str(tmp_path / "fit.json")], env=env,
                           capture_output=True, text=True, timeout=900)
-    print(done.stdout)
     assert (tmp_path / "fit.json").exists(), done.stderr[-3000:]
-    rows = json.loads((tmp_path / "fit.json").read_text())
+    return json.loads((tmp_path / "fit.json").read_text()), done
+
+
+def test_the_record_is_of_the_shipped_kernel_source():
+    """Every shipped tile's fit is read from the record (`--record` compiles them all: minutes); a record made
+    from another kernels source is stale, and the tile table generated from it unproven."""
+    assert kernel_fit.read_record()["kernel_sha256"] == kernel_fit.kernel_sha256(), (
+        "diff_transformer/kernel_diff_flash.py changed since benchmarks/kernel_fit.json was recorded: "
+        "python benchmarks/kernel_fit.py --record --write")
+
+
+FIGURES = ("tile", "warps", "stages", "registers", "spill_bytes", "shared", "mma", "error")
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="needs triton")
+def test_the_largest_shipped_tiles_compile_as_recorded(tmp_path):
+    """The record's figures are what the installed Triton makes of the shipped tiles: the largest head dim (128, and
+    values of 2d: the most shared memory and registers) in every kernel and mode, fp16 (bf16's figures are the same)
+    and fp32, on sm_86 (the least shared memory; sm_89 runs its tiles) and sm_90 (wgmma). Under the record's Triton
+    release every figure is equal; under another one each tile must still fit without spilling."""
+    rows, done = compile_rows(tmp_path, "--targets", "86", "90", "--head-dims", "128", "--value-dims", "2d",
+                              "--dtypes", "fp16", "fp32")
     failed = [row for row in rows if row["error"]]
     assert not failed, "tiles that do not fit:\n" + kernel_fit.table(failed)
-    covered = {(row["target"], row["head_dim"], row["value_dim"], row["dtype"]) for row in rows}
-    assert covered == {(target, d, factor * d, dtype) for target in kernel_fit.TARGETS
-                       for d in kernel_fit.HEAD_DIMS for factor in (1, 2) for dtype in ("fp16", "fp32")}
     assert done.returncode == 0, done.stderr[-3000:]
+    assert len(rows) == 2 * 2 * sum(len(modes) for modes in kernel_fit.MODES.values())
+    record = kernel_fit.read_record()
+    if record["triton"] != kernels.triton.__version__:
+        return
+    recorded = {kernel_fit.row_key(row): row for row in record["rows"]}
+    pairs = [(row, recorded.get(kernel_fit.row_key(row), {})) for row in rows]
+    differ = [(row, old) for row, old in pairs if any(row[k] != old.get(k) for k in FIGURES)]
+    assert not differ, "compiled figures that are not the record's (python benchmarks/kernel_fit.py --record " \
+        "--write):\n" + kernel_fit.table([row for row, _ in differ]) + "\nrecorded:\n" + \
+        kernel_fit.table([old for _, old in differ if old])
 
 
 @pytest.mark.skipif(kernels.triton is None, reason="needs triton")
 def test_a_tile_that_does_not_fit_fails_the_check():
-    """The check itself: the sm_80 tile of the kernel before issue #29 needs more shared memory than sm_86 has."""
+    """The check itself: the sm_80 tile the kernel once shipped needs more shared memory than sm_86 has."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--targets", "86", "--head-dims", "128", "--value-dims", "2d",
                            "--dtypes", "fp16", "--tile", "64", "32", "8", "3", "--jobs", "1"],
@@ -178,8 +207,9 @@ def test_a_saved_folder_ships_the_tile_table(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
         modeling = sys.modules[type(model).__module__]
-        kernel = sys.modules[modeling.__name__.rpartition(".")[0] + ".kernel_diff_flash"]
-        assert modeling.diff_flash_attention is not None
+        package = modeling.__name__.rpartition(".")[0]
+        kernel = sys.modules[package + ".kernel_diff_flash"]
+        assert sys.modules[package + ".attention_kernels"].diff_flash_attention is not None
         print("TILES", kernel.tile_config("dkdv", 128, 128, "float16", 89, masked=True))
     """, tmp_path)
     assert f"TILES {kernels.tile_config('dkdv', 128, 128, torch.float16, 89, masked=True)}" in out, out[-3000:]

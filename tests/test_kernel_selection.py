@@ -7,7 +7,7 @@ from helpers import build_stack
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import capture_branch_attentions
-from diff_transformer.modeling_diff import DIFF_KERNELS, DIFF_FLASH, select_kernel
+from diff_transformer.attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel
 
 
 def inputs(length: int, d: int = 32, dv: int = 64, device: str = "cpu") -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_scaling.py"
 spec = importlib.util.spec_from_file_location("lm_scaling", SCRIPT)
@@ -142,3 +143,56 @@ def test_runs_are_stored_once_per_settings_and_corpus(tmp_path):
     lm_scaling.cached_run(tmp_path, dict(settings, corpus="b" * 64), compute)  # other corpus content: another run
     assert len(calls) == 2
     assert sorted(p.suffix for p in (tmp_path / "runs").iterdir()) == [".json", ".json"]  # no temporary file left
+
+
+def test_head_count_control_gaps_by_hand():
+    results = fake_results()
+    finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0),
+              "DIFF-noSubLN": (1.8, 1.8, 1.8)}
+    results["runs"]["controls"] = {m: {str(s): {"curve": [{"step": 1, "tokens": 1, "val_loss": v, "train_loss": v}],
+                                                "seconds": 1.0} for s, v in enumerate(finals[m])}
+                                   for m in lm_scaling.CONTROLS}
+    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384, "DIFF-noSubLN": 468_192}
+    report = lm_scaling.render(results)
+    assert report == lm_scaling.render(json.loads(json.dumps(results)))
+    # cfg: hidden 96, head_dim 24 -> h = 2; Llama-h runs at Llama's 0.008, DIFF-2h at DIFF's 0.004
+    assert "| Llama-h | 2 x 48 | 467,808 | 0.008 | 2.0000, 2.1000, 2.3000 | 2.1333 +- 0.1528 |" in report
+    assert "| DIFF-2h | 4 x 12 | 468,480 | 0.004 | 1.9000, 1.9000, 2.0000 | 1.9333 +- 0.0577 |" in report
+    # DIFF-2h - DIFF per seed: DIFF's finals are 1.9912, 1.9612, 1.9812 -> -0.0912, -0.0612, +0.0188
+    # mean -0.0445, sd 0.0569, half width 2.920 * 0.0569 / sqrt(3) = 0.0959
+    assert "- DIFF-2h - DIFF (DIFF, 2h heads against h): -0.0445 +- 0.0569 [-0.1404, +0.0514]" in report
+    # Llama-h - Llama: Llama's finals 2.0346, 2.0446, 2.0246 -> -0.0346, +0.0554, +0.2754: mean +0.0987
+    assert "- Llama-h - Llama (Llama, h heads against 2h): +0.0987" in report
+    # DIFF - DIFF-lambda0: -0.0088, -0.0388, -0.0188 (to 4 places): mean -0.0222, sd 0.0153
+    assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0): -0.0222 +- 0.0153" in report
+    assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
+    assert "- DIFF - DIFF-noSubLN (SubLN against none): +0.1778 +- 0.0153" in report
+    results["runs"]["controls"].pop("DIFF-lambda0")  # a results.json from before that control: its rows left out
+    assert "lambda0 |" not in lm_scaling.render(results) and "| DIFF-2h |" in lm_scaling.render(results)
+
+
+def test_lambda_zero_control_keeps_lambda_at_zero_through_training():
+    cfg = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
+    model = lm_scaling.build_model("DIFF-lambda0", cfg, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        model(batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    lambdas = [layer.self_attn.lambda_params for layer in model.model.layers]
+    for lam in lambdas:
+        assert all(float(p.abs().max()) == 0.0 for p in lam.parameters()), "a lambda vector moved off 0"
+        assert float(lam()) == 0.0 and lam.lambda_init == 0.0
+
+
+@pytest.mark.parametrize("name", ["DIFF", "Llama", *lm_scaling.CONTROLS])
+def test_head_layouts_keep_every_projection_shape(name):
+    cfg = dict(lm_scaling.FULL, layers=1)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items() if "proj" in k}
+    family = lm_scaling.head_layout(name, cfg)[0]
+    model = lm_scaling.build_model(name, cfg, 0)
+    assert shapes(model) == shapes(lm_scaling.build_model(family, cfg, 0))
+    assert all(getattr(model.config, k) == v for k, v in lm_scaling.CONTROL_CONFIG.get(name, {}).items())
+    assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4,
+                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2}[name]

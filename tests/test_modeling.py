@@ -14,7 +14,6 @@ from helpers import (
     PADDED,
     NONDEGENERATE,
     STACKS,
-    TOLERANCES,
     assert_decode_matches_full_forward,
     assert_close,
     assert_grads_close,
@@ -34,7 +33,8 @@ from helpers import (
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import BRANCH_MAPS, compute_lambda, eager_diff_attention, frozen_lambdas
+from diff_transformer.attention_kernels import BRANCH_MAPS, eager_diff_attention
+from diff_transformer.modeling_diff import compute_lambda, frozen_lambdas
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
@@ -514,3 +514,54 @@ def test_sequence_classification_logits_loss_and_padding(backend):
     assert_close(out.loss.detach(), torch.nn.functional.cross_entropy(expected, labels), torch.float32,
                  f"{backend} classification loss", "backend")
     assert (expected.argmax(-1) != expected.argmin(-1)).all() and expected.std() > 0.05, "degenerate logits"
+
+
+def init_fields(module: torch.nn.Module) -> dict[str, str]:
+    """What a module's `__init__` set: its children (by class name) and plain attributes (by type)."""
+    children = {name: type(child).__name__ for name, child in module.named_children()}
+    return children | {name: type(value).__name__ for name, value in vars(module).items() if not name.startswith("_")}
+
+
+def llama_twin(config: DiffConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{key: getattr(config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "pad_token_id", "rms_norm_eps")})
+
+
+DIFF_CLASS_NAME = {"LlamaDecoderLayer": "DiffDecoderLayer", "LlamaModel": "DiffModel",
+                   "LlamaForCausalLM": "DiffForCausalLM", "LlamaAttention": "DiffStandardAttention"}
+
+
+@pytest.mark.parametrize("parent", list(DIFF_CLASS_NAME))
+def test_classes_hold_what_their_llama_parent_builds(parent):
+    """DiffDecoderLayer, DiffModel, DiffForCausalLM and DiffStandardAttention build their modules without calling
+    their Llama parent's `__init__` (it would build Llama attention); they must still set every child and attribute
+    that `__init__` sets, of the same classes but for the attention and the Diff classes themselves, so that Llama's
+    inherited forwards keep working when transformers changes Llama."""
+    import transformers.models.llama.modeling_llama as llama
+
+    import diff_transformer.modeling_diff as modeling
+
+    config = tiny_config(attention_types=["standard", "differential"])
+    llama_class, diff_class = getattr(llama, parent), getattr(modeling, DIFF_CLASS_NAME[parent])
+    built = {"LlamaDecoderLayer": lambda cls, c: cls(c, 1), "LlamaAttention": lambda cls, c: cls(c, 0)}.get(
+        parent, lambda cls, c: cls(c))
+    theirs, ours = init_fields(built(llama_class, llama_twin(config))), init_fields(built(diff_class, config))
+    renamed = {**DIFF_CLASS_NAME, "LlamaAttention": "DiffAttention", "LlamaConfig": "DiffConfig"}
+    expected = {name: renamed.get(kind, kind) for name, kind in theirs.items()}
+    assert ours == expected, (f"{diff_class.__name__} drifted from {parent}: missing {set(expected) - set(ours)}, "
+                              f"extra {set(ours) - set(expected)}, other classes "
+                              f"{ {k: (ours[k], expected[k]) for k in set(ours) & set(expected) if ours[k] != expected[k]} }")
+
+
+def test_print_folds_identical_layers_like_llama():
+    """print(model) at 32 layers: the identical layers fold into one entry, as Llama's do (per-layer lambda_init
+    values in the repr would stop torch from folding them)."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config(num_hidden_layers=32)
+    ours, theirs = repr(DiffForCausalLM(config)), repr(LlamaForCausalLM(llama_twin(config)))
+    assert "(0-31): 32 x DiffDecoderLayer(" in ours, ours[:2000]
+    assert len(ours.splitlines()) <= len(theirs.splitlines()) + 2, ours

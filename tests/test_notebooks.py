@@ -1,4 +1,4 @@
-"""The notebooks (issue #4) run top to bottom with no download and are committed without outputs."""
+"""The notebooks run top to bottom with no download and are committed without outputs."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Every code block of the README and of the docs pages runs as written, on its own (issues #18, #30, #33).
+"""Every code block of the README and of the docs pages runs as written, on its own.
 
 Each block runs in its own process and its own working folder, as a reader who opens a page at that block would run
 it: a Python block in a fresh interpreter, a bash block in a fresh shell. The folder holds what the pages say the
@@ -65,7 +65,7 @@ BLOCKS = {
     "torchrun --nproc_per_node 2 examples/fsdp_train.py runs/fsdp": "slow",
     "fully_shard(layer)": SKIP + "runs inside each torchrun process; examples/fsdp_train.py is this code",
     'dcp.load(state_dict, checkpoint_id="runs/fsdp/checkpoint", no_dist=True)': "slow",
-    "configs/deepspeed_zero3.json  # CPU, gloo, via Trainer": SKIP + "needs deepspeed; tests/test_sharded.py runs the "
+    "configs/deepspeed_zero3.json  # CPU, gloo, via Trainer": SKIP + "needs deepspeed; tests/test_training.py runs the "
     "CPU line where it is installed",
     "diff-transformer upload runs/my-model my-user/diff-tiny --dry-run": "slow",
     'from_pretrained("my-user/diff-tiny", trust_remote_code=True)': SKIP + "downloads from the Hub (the same calls "
@@ -289,8 +289,10 @@ def fresh_venvs(tmp_path_factory) -> Callable[[str], Path]:
             venv = tmp_path_factory.mktemp(f"venv-{extra or 'base'}")
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
             target = f"{ROOT}[{extra}]" if extra else str(ROOT)
-            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", target], check=True,
-                           capture_output=True, timeout=1800)
+            # torch first, as the README's main command installs it: the CPU build where the machine keeps one
+            for args in (["torch==2.13.0"], ["-e", target]):
+                subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args], check=True,
+                               capture_output=True, timeout=1800)
             pythons[extra] = venv / "bin" / "python"
         return pythons[extra]
 

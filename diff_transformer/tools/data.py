@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from diff_transformer_cli import read_json, read_text_file  # torch-free: the CLI checks files with them
-
+from .folders import read_text_file
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
 
@@ -51,7 +50,7 @@ class KeyValueTask:
 def encode_example(tokenizer: PreTrainedTokenizerFast, prompt: str, answer: str | None = None) -> list[int]:
     """Token ids of a task example as the model trains on it (`answer` given: `<s> prompt answer`) or is prompted
     (`answer=None`: `<s> prompt`); the closing demo of `train` generates as many tokens as the answer has. No `</s>`
-    after the answer: the README's default run learns less reliably with it (benchmarks/RESULTS.md). A tokenizer
+    after the answer: the README's default run learns less reliably with it (benchmarks/HISTORY.md). A tokenizer
     with a chat template formats it as a user turn and an assistant turn, exactly as `apply_chat_template` (and so
     `pipeline` with chat messages) does at inference."""
     if tokenizer.chat_template is None:

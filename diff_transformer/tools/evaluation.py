@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from ..modeling_diff import DiffAttention, capture_branch_attentions, split_branches
+from ..kernel_common import split_branches
+from ..modeling_diff import DiffAttention, capture_branch_attentions
 
 CITIES = (
     "Paris Lisbon Berlin Madrid Rome Vienna Prague Oslo Dublin Athens Cairo Lagos Nairobi Lima Quito Bogota Havana "
@@ -243,24 +244,13 @@ def load(model_dir: str, attn_implementation: str = "sdpa"):
     return load_model(model_dir, attn_implementation), AutoTokenizer.from_pretrained(model_dir)
 
 
-def write_report(table: str, output: str, plot) -> None:
-    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed."""
-    print(table)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{output}.md").write_text(table + "\n")
-    if plot(f"{output}.png"):
-        print(f"wrote {output}.md and {output}.png")
-    else:
-        print(f"wrote {output}.md; matplotlib is not installed, so no {output}.png (pip install matplotlib)")
+def needle_table(results: dict, settings: NeedleSettings, name: str) -> str:
+    """The title and the accuracy table of `needle_accuracy`'s results for model `name`."""
+    return f"{needle_title(settings, name)}\n\n{accuracy_table(results, settings)}"
 
 
-def run_needle_cli(model, tokenizer, name: str, settings: NeedleSettings, output: str) -> str:
-    """Print and write PREFIX.md (table) and PREFIX.png (heatmap); return the table."""
-    results = needle_accuracy(model, tokenizer, settings, progress=True)
-    title = f"multi-needle N={settings.needles} R={settings.queries}: {name}"
-    table = f"{title}\n\n{accuracy_table(results, settings)}"
-    write_report(table, output, lambda path: save_heatmap(results, settings, path, title))
-    return table
+def needle_title(settings: NeedleSettings, name: str) -> str:
+    return f"multi-needle N={settings.needles} R={settings.queries}: {name}"
 
 
 def span_positions(tokenizer: PreTrainedTokenizerBase, text: str, prompt: NeedlePrompt) -> dict[str, torch.Tensor]:
@@ -422,15 +412,12 @@ def save_noise_plot(reports: dict[str, dict], path: str | Path) -> bool:
     return True
 
 
-def run_attention_noise_cli(models: dict[str, tuple], length: int, needles: int, seed: int, output: str) -> str:
-    """{name: (eager model, tokenizer)}, the first one DIFF: the same prompt (its tokenizer) for every model; print
-    and write PREFIX.md and PREFIX.png."""
+def attention_noise_reports(models: dict[str, tuple], length: int, needles: int, seed: int) -> dict[str, dict]:
+    """{name: (eager model, tokenizer)}, the first one DIFF -> {name: `attention_noise` report}, on one prompt built
+    with the first model's tokenizer."""
     settings = NeedleSettings(needles=needles, queries=1)
     prompt = build_needle_prompt(next(iter(models.values()))[1], length, 50, settings, random.Random(seed))
-    reports = {name: attention_noise(model, tokenizer, prompt) for name, (model, tokenizer) in models.items()}
-    table = noise_table(reports)
-    write_report(table, output, lambda path: save_noise_plot(reports, path))
-    return table
+    return {name: attention_noise(model, tokenizer, prompt) for name, (model, tokenizer) in models.items()}
 
 
 def attention_logits(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -515,20 +502,17 @@ def outlier_table(reports: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run_outliers_cli(models: dict[str, tuple], length: int, top_k: int, seed: int) -> str:
-    """{name: (model, tokenizer)}: the same filler text, `length` tokens of it per model; print the table."""
+def outlier_reports(models: dict[str, tuple], length: int, top_k: int, seed: int) -> dict[str, dict]:
+    """{name: (model, tokenizer)} -> {name: `activation_outliers` report} on the same filler text, `length` tokens
+    of it per model."""
     # twice the length: enough text for `length` tokens with the first model's tokenizer and a coarser baseline's
     text = " ".join(filler_sentences(next(iter(models.values()))[1], 2 * length, random.Random(seed)))
-    reports = {}
-    for name, (model, tokenizer) in models.items():
-        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]
-        reports[name] = activation_outliers(model, ids, top_k)
-    table = outlier_table(reports)
-    print(table)
-    return table
+    return {name: activation_outliers(model, tokenizer(text, return_tensors="pt")["input_ids"][:, :length], top_k)
+            for name, (model, tokenizer) in models.items()}
 
 
 __all__ = [
     "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "allocation", "attention_noise",
-    "activation_outliers", "activation_tensors", "noise_table", "outlier_table",
+    "activation_outliers", "activation_tensors", "noise_table", "outlier_table", "needle_table",
+    "attention_noise_reports", "outlier_reports",
 ]

@@ -32,13 +32,9 @@ from .. import (
     DiffModel,
 )
 from ..folder_defaults import generation_defaults
-from .data import read_json
+from .folders import PICKLED, FolderError, check_files, pickled_files, read_config, read_json
 
-# Files Python's pickle writes (weights of old checkpoints, Trainer's training_args.bin, optimizer states): loading
-# one runs code its author chose. The upload leaves them out; the model's weights must be safetensors.
-PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 AUTO_CLASSES = (
     DiffConfig,
     DiffModel,
@@ -61,26 +57,14 @@ class UploadError(ValueError):
 def check_inputs(model_dir: Path, repo_id: str) -> dict:
     if not REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
         raise UploadError(f"repo id {repo_id!r} must look like 'user-or-org/model-name'")
-    if not model_dir.is_dir():
-        raise UploadError(f"model folder {model_dir} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise UploadError(f"{model_dir} has no config.json: save the model with model.save_pretrained({model_dir})")
-    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise UploadError(f"{model_dir} has no tokenizer: save it with tokenizer.save_pretrained({model_dir})")
-    if not any(model_dir.glob("*.safetensors")):
-        pickled = pickled_files(model_dir)
-        held = f" (only the pickled {', '.join(pickled)}, which run code when loaded)" if pickled else ""
-        raise UploadError(f"{model_dir} has no safetensors weights{held}; load the model and save it again with "
-                          f"model.save_pretrained({str(model_dir)!r}), which writes model.safetensors")
-    config = read_json(model_dir / "config.json")
+    try:
+        config = read_config(model_dir)
+        check_files(model_dir)
+    except FolderError as error:
+        raise UploadError(str(error)) from None
     if config.get("model_type") != DiffConfig.model_type:
         raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
     return config
-
-
-def pickled_files(model_dir: Path) -> list[str]:
-    """Names of the folder's pickled files (`PICKLED`), which the upload leaves out."""
-    return sorted({path.name for pattern in PICKLED for path in model_dir.glob(pattern)})
 
 
 def auto_map() -> dict[str, str]:

@@ -1,22 +1,102 @@
-"""transformers' generation contract for V1, V2 and hybrid stacks: assisted decoding, dict outputs with the cache,
+"""Generation: the cache under either argument name, transformers' generation contract, and pipeline("text-generation").
+
+The cache reaches every layer under either argument name, and is never dropped silently: transformers 5.24 renamed
+the forward argument `past_key_values` to `cache`; a model that reads only one name loses the cache under the other,
+and every decode step then sees one token and no context. Each cache-name test here fails then.
+
+transformers' generation contract for V1, V2 and hybrid stacks: assisted decoding, dict outputs with the cache,
 the static cache transformers allocates from the config, compiled generation with every output, output recording
-and gradients on returned hidden states and attentions (issue #15).
+and gradients on returned hidden states and attentions.
 
 The cache holds the model's own layout: a differential layer caches its keys packed (k1 | k2), so its cache is not
 its query shape. The config describes each layer's cache as transformers reads it (`DiffConfig.per_layer_config`,
 read by transformers' `get_head_shapes`), and the tests check the cache against what transformers reads, and that
 transformers' own machinery (early static allocation, cropping in assisted decoding, beam reordering) works on it.
-"""
+
+pipeline("text-generation") on a saved folder path: greedy, sampling, beam search, max_new_tokens, stop tokens and
+batching."""
+
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import STACKS, assert_close, build_stack
-from transformers import CompileConfig, StaticCache
+from helpers import STACKS, assert_close, build_stack, tiny_config
+from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache, pipeline, set_seed
 from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import CACHE_KWARG
+from diff_transformer.modeling_diff import CACHE_KWARG, DIFF_FLASH, triton_available
+from diff_transformer.tools.data import KeyValueTask
+from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+
+needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
+BACKENDS = ["eager", "sdpa", pytest.param(DIFF_FLASH, marks=needs_triton)]
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+@pytest.mark.parametrize("stack", list(STACKS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_under_either_name_continues_the_sequence(backend, stack, name):
+    """B2: a 6-token prefill then 3 one-token steps through a cache passed as `name`; each step's logits equal the
+    full forward's at that position (fp32 tolerance), and the cache holds every token."""
+    model = build_stack(backend, stack)
+    tokens = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, :6], use_cache=True, **{name: cache}).logits[:, -1]]
+        for t in range(6, 9):
+            steps.append(model(tokens[:, t : t + 1], use_cache=True, **{name: cache}).logits[:, -1])
+    assert cache.get_seq_length() == 9, f"the cache holds {cache.get_seq_length()} of 9 tokens"
+    for step, logits in enumerate(steps):
+        assert_close(logits, full[:, 5 + step], torch.float32, f"{backend} {stack} step {step} via {name}")
+
+
+def test_both_names_at_once_are_never_silent():
+    """Where transformers names the cache `cache`, its own deprecation handling warns that it ignores
+    `past_key_values`, as for Llama; before the rename the model refuses the pair."""
+    model = build_stack("sdpa", "V1-GQA")
+    both = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    if CACHE_KWARG == "cache":
+        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
+            model(torch.tensor([[5, 6]]), **both)
+    else:
+        with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+            model(torch.tensor([[5, 6]]), **both)
+
+
+@pytest.mark.parametrize("name", ["past", "layer_past", "past_key_value", "my_cache"])
+def test_cache_under_a_foreign_name_raises(name):
+    """A cache object (or a historical cache argument name) that no layer would read is an error, not a no-op."""
+    model = build_stack("sdpa", "V1-GQA")
+    with pytest.raises(TypeError, match=f"pass the cache as `{CACHE_KWARG}`"):
+        model(torch.tensor([[5, 6]]), **{name: DynamicCache()})
+
+
+def test_output_carries_the_cache_where_transformers_llama_does():
+    """Our outputs name the cache as the installed transformers' own Llama does (`cache` from 5.24 on)."""
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    tokens = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        ours, theirs = build_stack("sdpa", "V1-GQA")(tokens, use_cache=True), llama(tokens, use_cache=True)
+    assert list(ours.keys()) == list(theirs.keys())
+    assert CACHE_KWARG in ours.keys() and ours[CACHE_KWARG].get_seq_length() == 3
+
+
+def test_past_key_values_warns_where_transformers_renamed_it():
+    """transformers >= 5.24 deprecates `past_key_values` with a FutureWarning in its own models; before, it is the
+    library's current name and gets none."""
+    model = build_stack("sdpa", "V1-GQA")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.tensor([[5, 6]]), past_key_values=DynamicCache(config=model.config), use_cache=True)
+    deprecations = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+    assert len(deprecations) == (1 if CACHE_KWARG == "cache" else 0), [str(w.message) for w in caught]
+    assert all(w.category is FutureWarning for w in deprecations)
+
 
 PROMPT = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(3))
 
@@ -191,3 +271,97 @@ def test_inherits_generation_mixin():
     assert generative == [DiffForCausalLM], generative
     for model_class in generative:
         assert "GenerationMixin" in str(model_class.__bases__), model_class.__bases__
+
+
+PROMPTS = ["k1 v2 k3 v4 ? k1", "k5 v6 ?", "k7 v8 k9 v10 k11 v12 ? k9"]
+NEW_TOKENS = 6
+
+
+def save_tiny_folder(path: Path) -> Path:
+    """A tiny DiffForCausalLM and a byte-level BPE tokenizer, saved together (also used by the Hub tests)."""
+    tokenizer = train_bpe_tokenizer(texts=KeyValueTask().texts(200), vocab_size=300)
+    config = tiny_config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None, initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    folder = save_tiny_folder(tmp_path_factory.mktemp("model"))
+    return pipeline("text-generation", model=str(folder))
+
+
+def new_ids(generator, prompt: str, output: dict) -> list[int]:
+    prompt_ids = generator.tokenizer(prompt)["input_ids"]
+    ids = output["generated_token_ids"]
+    while ids[0] == generator.tokenizer.pad_token_id:  # batched prompts are left-padded
+        ids = ids[1:]
+    assert ids[: len(prompt_ids)] == prompt_ids, "the output must start with the prompt"
+    return ids[len(prompt_ids) :]
+
+
+def generate(generator, prompts, **kwargs) -> list[list[dict]]:
+    return generator(prompts, return_tensors=True, max_new_tokens=NEW_TOKENS, **kwargs)
+
+
+def test_loads_from_folder_with_auto_classes(generator):
+    assert type(generator.model) is DiffForCausalLM
+    assert generator.tokenizer.padding_side == "left"
+
+
+def test_greedy_max_new_tokens_and_text(generator):
+    output = generator(PROMPTS[0], max_new_tokens=NEW_TOKENS, do_sample=False)[0]["generated_text"]
+    ids = new_ids(generator, PROMPTS[0], generate(generator, PROMPTS[0], do_sample=False)[0])
+    assert len(ids) == NEW_TOKENS
+    prompt_ids = generator.tokenizer(PROMPTS[0])["input_ids"]
+
+    def decode(token_ids: list[int]) -> str:
+        return generator.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # pipeline decodes prompt and new tokens together, without special tokens, and keeps what follows the prompt
+    assert output == PROMPTS[0] + decode(prompt_ids + ids)[len(decode(prompt_ids)):], output
+
+
+def test_batched_equals_one_by_one(generator):
+    one_by_one = [new_ids(generator, p, generate(generator, p, do_sample=False)[0]) for p in PROMPTS]
+    batched = generate(generator, PROMPTS, do_sample=False, batch_size=len(PROMPTS))
+    assert [new_ids(generator, p, out[0]) for p, out in zip(PROMPTS, batched)] == one_by_one
+
+
+def test_sampling_is_seeded(generator):
+    def sample(seed: int) -> list[int]:
+        set_seed(seed)
+        return new_ids(generator, PROMPTS[1], generate(generator, PROMPTS[1], do_sample=True, temperature=1.5)[0])
+
+    assert sample(0) == sample(0)
+    assert sample(0) != sample(1)
+
+
+def test_beam_search(generator):
+    outputs = generate(generator, PROMPTS[0], num_beams=3, num_return_sequences=3, do_sample=False)
+    beams = [new_ids(generator, PROMPTS[0], out) for out in outputs]
+    assert len({tuple(b) for b in beams}) == 3, beams
+    prompt = generator.tokenizer(PROMPTS[0], return_tensors="pt")
+    direct = generator.model.generate(**prompt, num_beams=3, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert beams[0] == direct[0, prompt["input_ids"].shape[1] :].tolist()
+
+
+def test_stop_token_ends_generation(generator):
+    greedy = new_ids(generator, PROMPTS[2], generate(generator, PROMPTS[2], do_sample=False)[0])
+    words = [generator.tokenizer.decode([token]) for token in greedy]
+    # a token past the first that decodes to whole printable characters on its own, so it also works as a stop string
+    stop = next(t for t, w in zip(greedy[1:], words[1:]) if w.isprintable() and "\ufffd" not in w)
+    stopped = new_ids(generator, PROMPTS[2], generate(generator, PROMPTS[2], do_sample=False, eos_token_id=stop)[0])
+    assert stopped == greedy[: greedy.index(stop) + 1], (stopped, greedy)
+    word = generator.tokenizer.decode([stop])
+    text = generator(PROMPTS[2], max_new_tokens=NEW_TOKENS, do_sample=False, stop_sequence=word)[0]["generated_text"]
+    expected = PROMPTS[2] + generator.tokenizer.decode(greedy[: greedy.index(stop) + 1])
+    assert text == expected, (text, expected)

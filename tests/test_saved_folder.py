@@ -1,11 +1,20 @@
-"""Saved folders as their clients use them (issue #17). In a fresh interpreter where `diff_transformer` cannot be
-imported: `AutoTokenizer` loads transformers' own tokenizer class without a word of output, LoRA finds its default
-targets from the folder's model code, and `pipeline` with no generation arguments stops within the context. The folder
-records `use_cache: true` and generation defaults, and BOS is placed the same way in training, in the tokenizer and in
-an lm-eval-style evaluation."""
+"""Saved folders: what they hold and ship, how from_pretrained answers for a wrong one, and clients that load them.
+
+The code a saved folder ships (what a Hub user downloads with trust_remote_code) stands alone: it names no file the
+folder lacks, and no project path or history. Loading a folder that is missing, of another architecture, or with an
+unknown attention backend answers in one line naming the fix; `pipeline` without `import diff_transformer` is
+explained on the troubleshooting page.
+
+Saved folders as their clients use them, in a fresh interpreter where `diff_transformer` cannot be imported:
+`AutoTokenizer` loads transformers' own tokenizer class without a word of output, LoRA finds its default targets from
+the folder's model code, and `pipeline` with no generation arguments stops within the context. The folder records
+`use_cache: true` and generation defaults, and BOS is placed the same way in training, in the tokenizer and in an
+lm-eval-style evaluation."""
+
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,12 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import make_trainer
+from helpers import build_stack, saved_folders
+from test_training import make_trainer
 from transformers import AutoTokenizer
 
-from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
+from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
+from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
 
@@ -209,3 +219,91 @@ def test_lm_eval_style_loglikelihood_sees_the_training_tokens(cli_folder):
     assert inputs == training[:-1], "the rolling window's BOS prefix must be the training sequence's <s>"
     expected = training_logprobs.sum().item()  # every training target
     assert abs(rolling - expected) <= LOGPROB_ATOL, (rolling, expected)
+
+
+FILE_NAME = re.compile(r"(?<![\w.])((?:[\w-]+/)*[\w-]+\.(?:py|md|json|txt|yaml|yml|ipynb|safetensors|bin|pt))\b")
+PROJECT_PATH = re.compile(r"\b(?:docs|benchmarks|tests|examples|configs|notebooks|tools)/")
+HISTORY = re.compile(r"\b(?:transformers|torch|triton) *[<>=]* *\d+\.\d+|issue #\d+", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hub") / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(path)
+    return path
+
+
+def shipped_code(folder: Path) -> dict[str, str]:
+    return {path.name: path.read_text() for path in sorted(folder.glob("*.py"))}
+
+
+def test_the_folder_ships_the_model_code(folder):
+    assert {"modeling_diff.py", "configuration_diff.py", "kernel_tiled.py", "kernel_diff_flash.py"} <= set(
+        shipped_code(folder)), sorted(shipped_code(folder))
+    assert "kernel_naive.py" not in shipped_code(folder), "the test reference is no part of the model"
+
+
+@pytest.mark.parametrize("name", ["modeling_diff.py", "configuration_diff.py", "kernel_tiled.py",
+                                  "kernel_diff_flash.py", "diff_tensor_parallel.py", "peft_defaults.py",
+                                  "folder_defaults.py", "paged_cache.py", "kernel_tiles.py"])
+def test_shipped_file_names_only_what_the_folder_holds(folder, name):
+    text = shipped_code(folder)[name]
+    present = {path.name for path in folder.iterdir()}
+    missing = sorted({ref for ref in FILE_NAME.findall(text) if ref.rpartition("/")[2] not in present})
+    assert not missing, f"{name} names files a saved folder lacks: {missing}"
+    paths = [text[max(0, m.start() - 40): m.end() + 20] for m in PROJECT_PATH.finditer(text)]
+    assert not paths, f"{name} points into the project's tree: {paths}"
+    history = [text[max(0, m.start() - 40): m.end() + 20] for m in HISTORY.finditer(text)]
+    assert not history, f"{name} carries versions or history: {history}"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """diff (a DIFF model and its English BPE tokenizer) and llama (helpers.saved_folders)."""
+    return saved_folders(tmp_path_factory.mktemp("mistakes"), ("diff", "llama"))
+
+
+@pytest.mark.parametrize("path", ["./typo", "typo", "runs/typo", "/no/such/folder"])
+def test_missing_local_folder_is_not_asked_of_the_hub(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()  # so "runs/typo" is plainly local
+    for load in (DiffForCausalLM.from_pretrained, DiffConfig.from_pretrained):
+        with pytest.raises(FileNotFoundError, match=f"no such folder: {path} "):
+            load(path)
+
+
+def test_other_architecture_points_to_convert(folders):
+    with pytest.raises(ValueError, match=r"holds a 'llama' model, not a DIFF Transformer .*diff-transformer convert"):
+        DiffForCausalLM.from_pretrained(folders / "llama")
+
+
+def test_unknown_attention_names_diff_flash(folders):
+    """transformers' list of its backends, and ours, which it lacks."""
+    with pytest.raises(ValueError, match=r'"flashh"` is not supported\. The only possible arguments are .*sdpa.*\. The '
+                                         r'DIFF Transformer adds `attn_implementation="diff_flash"`'):
+        DiffForCausalLM.from_pretrained(folders / "diff", attn_implementation="flashh")
+
+
+PIPELINE_WITHOUT_IMPORT = """
+import sys
+from transformers import pipeline
+try:
+    pipeline("text-generation", model=sys.argv[1])
+except ValueError as error:
+    print("ANSWER", " ".join(str(error).split()))
+"""
+
+
+def test_pipeline_without_the_package_is_explained(folders):
+    """`pipeline(model=FOLDER)` without `import diff_transformer`: transformers refuses the folder's remote code (after
+    asking on a terminal); its message offers trust_remote_code=True only, so the troubleshooting page names the other
+    way, `import diff_transformer`, for that message."""
+    result = subprocess.run([sys.executable, "-c", PIPELINE_WITHOUT_IMPORT, str(folders / "diff")],
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}, cwd=folders)
+    answer = result.stdout.split("ANSWER ", 1)[-1]
+    assert "contains custom code which must be executed" in answer and "trust_remote_code=True" in answer, result
+    rows = [row for row in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines()
+            if "contains custom code which must be executed" in row]
+    assert len(rows) == 1 and "import diff_transformer" in rows[0] and "trust_remote_code=True" in rows[0], rows
+
