@@ -179,12 +179,13 @@ def paper_small_readme(root: Path) -> str:
             (index, f"{metric} change, activations at 4 bits (not in the paper)", change_at("activations", 4), 3,
              True),
         ]
+    body = table(groups, rows)
+    missing = (" \"not stored\": the run predates the figure and its weights were not kept (see docs/evaluation.md)."
+               if any(f"| {NOT_STORED} |" in line for line in body) else "")
     return "\n".join([
         "Mean ± sd over seeds, then each seed's figure in seed order. Attention at the answering position: "
         "normalised divides each head's row by its sum (1 - lambda; 1 for softmax) as the paper's Table 3 does; "
-        "raw is the map that multiplies V; share is raw answer / (raw answer + raw noise). \"not stored\": the run "
-        "predates the figure and its weights were not kept (see docs/evaluation.md).", "",
-        *table(groups, rows)])
+        "raw is the map that multiplies V; share is raw answer / (raw answer + raw noise)." + missing, "", *body])
 
 
 def per_run(root: Path, title: str, runs: list[dict], columns: list[tuple[str, Callable]]) -> list[str]:
