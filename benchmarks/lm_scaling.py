@@ -285,16 +285,26 @@ def analyse(curves: dict, skip: int, samples: int = BOOTSTRAP, seed: int = 0) ->
         for key in boot:
             boot[key].append(result[key])
     finals = {m: [c[-1]["val_loss"] for c in curves[m]] for m in MODELS}
-    gaps = [d - l for d, l in zip(finals["DIFF"], finals["Llama"])]
-    sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
     return {
         "fits": point["fits"],
         "ratio": {key: {"estimate": point[key], "p05": percentile(boot[key], 5), "p95": percentile(boot[key], 95),
                         "infinite_share": sum(map(math.isinf, boot[key])) / samples} for key in boot},
         "interpolated_ratio": interpolated_ratio(curves),
-        "final": {m: {"per_seed": finals[m], "mean": float(np.mean(finals[m])), "sd": sd(finals[m])} for m in MODELS},
-        "gap": {"per_seed": gaps, "mean": float(np.mean(gaps)), "sd": sd(gaps), "t90": t_interval(gaps)},
+        "final": {m: spread(finals[m]) for m in MODELS},
+        "gap": paired(finals["DIFF"], finals["Llama"]),
     }
+
+
+def spread(values: list[float]) -> dict:
+    """Per seed, mean and sd (0 for one value)."""
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return {"per_seed": list(values), "mean": float(np.mean(values)), "sd": sd}
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """a - b seed by seed: per seed, mean, sd and the 90% t interval of the mean."""
+    gaps = [x - y for x, y in zip(a, b, strict=True)]
+    return {**spread(gaps), "t90": t_interval(gaps)}
 
 
 T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}  # t_0.95 by dof
@@ -335,19 +345,24 @@ def cross_line(results: dict) -> list[str]:
 
 def paired_gap(a: list[float], b: list[float]) -> str:
     """a - b per seed: mean +- sd and the 90% t interval of the mean."""
-    gaps = [x - y for x, y in zip(a, b)]
-    low, high = t_interval(gaps) or [math.nan, math.nan]
-    return f"{np.mean(gaps):+.4f} +- {np.std(gaps, ddof=1) if len(gaps) > 1 else 0.0:.4f} [{low:+.4f}, {high:+.4f}]"
+    gap = paired(a, b)
+    low, high = gap["t90"] or [math.nan, math.nan]
+    return f"{gap['mean']:+.4f} +- {gap['sd']:.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def final_losses(results: dict) -> dict[str, list[float]]:
+    """{model: final validation loss per seed} of the main models and of every stored control, in seed order."""
+    cfg, runs = results["config"], results["runs"]
+    stored = {**runs["main"], **{m: runs["controls"][m] for m in CONTROLS if m in runs.get("controls", {})}}
+    return {m: [seeds[str(s)]["curve"][-1]["val_loss"] for s in cfg["seeds"]] for m, seeds in stored.items()}
 
 
 def control_lines(results: dict) -> list[str]:
     """The controls (CONTROLS, each at its own family's learning rate), final validation losses paired by seed."""
-    cfg, runs = results["config"], results["runs"]
-    names = [m for m in CONTROLS if m in runs.get("controls", {})]
+    cfg, finals = results["config"], final_losses(results)
+    names = [m for m in CONTROLS if m in finals]
     if not names:
         return []
-    finals = {m: [(runs["main"] if m in MODELS else runs["controls"])[m][str(s)]["curve"][-1]["val_loss"]
-                  for s in cfg["seeds"]] for m in (*MODELS, *names)}
     lines = ["", "## Controls: head count and lambda", "",
              "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
              "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
@@ -360,7 +375,7 @@ def control_lines(results: dict) -> list[str]:
         family, heads, dim = head_layout(m, cfg)
         lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {results['lr'][family]:g} | "
                      + ", ".join(f"{v:.4f}" for v in finals[m])
-                     + f" | {np.mean(finals[m]):.4f} +- {np.std(finals[m], ddof=1):.4f} |")
+                     + " | {mean:.4f} +- {sd:.4f} |".format(**spread(finals[m])))
     pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
              ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
              ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),

@@ -254,22 +254,20 @@ def lm_scaling(root: Path) -> str:
         per_seed = ", ".join(f"{value:.3f}" for value in final["per_seed"])
         lines.append(f"| {name} | {results['parameters'][name]:,} | {results['lr'][name]:g} | "
                      f"{final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
-    controls = results["runs"].get("controls", {})
-    finals = {name: stats["final"][name]["per_seed"] for name in module.MODELS}
-    for name in (m for m in module.CONTROLS if m in controls):
+    finals = module.final_losses(results)
+    for name in (m for m in module.CONTROLS if m in finals):
         family, heads, dim = module.head_layout(name, cfg)
-        finals[name] = [controls[name][str(seed)]["curve"][-1]["val_loss"] for seed in cfg["seeds"]]
+        final = module.spread(finals[name])
         per_seed = ", ".join(f"{value:.3f}" for value in finals[name])
         lines.append(f"| {name}: {CONTROL_SHOWN[name].format(heads=heads, dim=dim)} | {results['parameters'][name]:,} "
-                     f"| {results['lr'][family]:g} | {statistics.mean(finals[name]):.3f} ± "
-                     f"{statistics.stdev(finals[name]):.3f} ({per_seed}) | |")
+                     f"| {results['lr'][family]:g} | {final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
     ratio = stats["ratio"]["diff_over_llama"]
     for a, b in (pair for pair in GAPS_SHOWN if all(name in finals for name in pair)):
-        gaps = [x - y for x, y in zip(finals[a], finals[b])]
-        low, high = module.t_interval(gaps)
+        gap = module.paired(finals[a], finals[b])
+        low, high = gap["t90"]
         elsewhere = (" -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent replication) "
                      if (a, b) == ("DIFF", "Llama") else " ")
-        lines.append(f"| {a} - {b} | | | {statistics.mean(gaps):+.3f} ± {statistics.stdev(gaps):.3f}, 90% interval "
+        lines.append(f"| {a} - {b} | | | {gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval "
                      f"[{low:+.3f}, {high:+.3f}] |{elsewhere}|")
     lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's | | | "
                  f"{module.fmt_ratio(ratio['estimate'])}, "
