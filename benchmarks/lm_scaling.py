@@ -90,24 +90,34 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
-CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN")  # at their own family's learning rate, every seed
+CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN", "DIFF-V2")  # each with its own LR sweep
 CONTROL_CONFIG = {"DIFF-lambda0": dict(lambda_init=0.0, lambda_std_dev=0.0),  # zero vectors get no gradient
-                  "DIFF-noSubLN": dict(use_subln=False)}
+                  "DIFF-noSubLN": dict(use_subln=False), "DIFF-V2": dict(diff_version=2)}
+# Initialisations offered to both families alike, on top of Hugging Face's Llama init (N(0, 0.02), tied embeddings):
+# token embeddings multiplied by sqrt(hidden) in the forward (Gemma; the first author's YOCO code), and the output
+# projections of each block (o_proj, down_proj) scaled by 1/sqrt(2 layers) at init (GPT-2, Megatron).
+INITS = {"llama": dict(embed_sqrt=False, out_depth=False), "embed-sqrt": dict(embed_sqrt=True, out_depth=False),
+         "out-depth": dict(embed_sqrt=False, out_depth=True),
+         "embed-sqrt+out-depth": dict(embed_sqrt=True, out_depth=True)}
+BASE_INIT = "llama"
 
 
 def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
     """(family, heads, q/k head dim): DIFF has h = H / (2d) heads of dim d and Llama 2h of dim d; the head-count
     controls swap that at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2);
     DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN); DIFF-noSubLN is
-    DIFF without the per-head RMSNorm and its (1 - lambda_init) scale."""
+    DIFF without the per-head RMSNorm and its (1 - lambda_init) scale; DIFF-V2 has Llama's 2h heads of dim d for
+    keys, values and output, its queries doubled (each head's pair of maps) and a per-token lambda projection."""
     d = cfg["head_dim"]
     h = cfg["hidden"] // (2 * d)
     return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d), "Llama-h": ("Llama", h, 2 * d),
-            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d), "DIFF-noSubLN": ("DIFF", h, d)}[name]
+            "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d), "DIFF-noSubLN": ("DIFF", h, d),
+            "DIFF-V2": ("DIFF", 2 * h, d)}[name]
 
 
-def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
-    """A model of `head_layout(name)`; every projection the same shape, same everything else."""
+def build_model(name: str, cfg: dict, seed: int, init: str = BASE_INIT) -> torch.nn.Module:
+    """A model of `head_layout(name)` with initialisation `init` (INITS); every projection the same shape, same
+    everything else."""
     from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
     from diff_transformer import DiffConfig, DiffForCausalLM
@@ -120,9 +130,25 @@ def build_model(name: str, cfg: dict, seed: int) -> torch.nn.Module:
     if family == "DIFF":
         config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim,
                             **CONTROL_CONFIG.get(name, {}))
-        return DiffForCausalLM._from_config(config, attn_implementation="sdpa")
-    config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
-    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
+    else:
+        config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return apply_init(model, init)
+
+
+def apply_init(model: torch.nn.Module, init: str) -> torch.nn.Module:
+    """`INITS[init]` on a freshly initialised model of either family, by the same code for both."""
+    spec, layers = INITS[init], model.config.num_hidden_layers
+    if spec["out_depth"]:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_((2 * layers) ** -0.5)
+    if spec["embed_sqrt"]:
+        scale = math.sqrt(model.config.hidden_size)
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * scale)
+    return model
 
 
 def parameter_count(name: str, cfg: dict) -> int:
@@ -142,12 +168,13 @@ def validation_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
     return float(np.mean(losses))
 
 
-def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor) -> dict:
+def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor,
+              init: str = BASE_INIT) -> dict:
     """One single-epoch run: AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), linear warm-up then linear decay to
     0, batches drawn without replacement in the order of `seed`. Returns the curve and the seconds it took."""
     from transformers import get_linear_schedule_with_warmup
 
-    model = build_model(name, cfg, seed)
+    model = build_model(name, cfg, seed, init)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, round(cfg["warmup"] * steps)), steps)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: steps * cfg["batch"]]
@@ -166,7 +193,7 @@ def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: tor
             curve.append({"step": step, "tokens": step * cfg["batch"] * cfg["context"],
                           "train_loss": float(np.mean(window)), "val_loss": validation_loss(model, val)})
             window = []
-            print(f"  {name} lr {lr:g} seed {seed}: {curve[-1]} ({time.monotonic() - start:.0f} s)", flush=True)
+            print(f"  {name} ({init}) lr {lr:g} seed {seed}: {curve[-1]} ({time.monotonic() - start:.0f} s)", flush=True)
     return {"curve": curve, "seconds": round(time.monotonic() - start, 1)}
 
 
@@ -526,39 +553,117 @@ def plot(results: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------- main
-def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool) -> dict:
-    data = corpus_bytes(corpus_archive(corpus_dir, fetch=True))
+WORKER: dict = {}  # a pool worker's config and data blocks
+
+
+def load_blocks(cfg: dict, corpus_dir: Path, fetch: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(corpus description, train blocks, validation blocks) of the pinned corpus."""
+    data = corpus_bytes(corpus_archive(corpus_dir, fetch=fetch))
     if hashlib.sha256(data).hexdigest() != CORPUS["content_sha256"]:
         sys.exit("the extracted corpus differs from the pinned one (content sha256): extraction is not reproducible")
     corpus = {k: CORPUS[k] for k in ("name", "version", "file", "sha256", "license")}
     corpus |= {"bytes": len(data), "content_sha256": hashlib.sha256(data).hexdigest()}
-    train, val = blocks(data, cfg["context"], cfg["val_blocks"])
-    print(f"corpus: {len(data):,} byte tokens, {len(train):,} training blocks of {cfg['context']}", flush=True)
+    return corpus, *blocks(data, cfg["context"], cfg["val_blocks"])
+
+
+def start_worker(cfg: dict, corpus_dir: Path, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _, train, val = load_blocks(cfg, corpus_dir, fetch=False)
+    WORKER.update(cfg=cfg, train=train, val=val)
+
+
+def worker_run(job: tuple[Path, dict]) -> dict:
+    out, settings = job
+    cfg, train, val = WORKER["cfg"], WORKER["train"], WORKER["val"]
+    return cached_run(out, settings, lambda: train_run(
+        settings["model"], cfg, settings["lr"], settings["seed"], settings["steps"], train, val,
+        settings.get("init", BASE_INIT)))
+
+
+def import_stored_runs(out: Path) -> None:
+    """Every run a previous results.json in `out` holds goes into the run store (a clone has no runs/ folder), so
+    that runs of unchanged settings are not trained again."""
+    path = out / "results.json"
+    if not path.is_file():
+        return
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict) and "settings" in node and "curve" in node:
+            cached_run(out, node["settings"], lambda: {k: v for k, v in node.items() if k != "settings"})
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+
+    walk(json.loads(path.read_text()).get("runs", {}))
+    walk(json.loads(path.read_text()).get("studies", {}))
+
+
+def best_lr(cfg: dict, sweep: dict) -> float:
+    return min(cfg["lrs"], key=lambda x: sweep[f"{x:g}"]["curve"][-1]["val_loss"])
+
+
+def mean_final(seeds: dict) -> float:
+    return float(np.mean([run["curve"][-1]["val_loss"] for run in seeds.values()]))
+
+
+def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int) -> dict:
+    """Every initialisation for both families (each with its own learning-rate sweep, then every seed); the
+    initialisation with DIFF's lowest mean final loss is the chosen one; the controls run on it, each with its own
+    sweep. Runs go to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
+    corpus, _, _ = load_blocks(cfg, corpus_dir, fetch=True)
+    print(f"corpus: {corpus['bytes']:,} byte tokens", flush=True)
     model_cfg = {k: cfg[k] for k in ("hidden", "layers", "head_dim", "context", "batch", "points", "val_blocks",
                                      "warmup")}
+    import_stored_runs(out)
 
-    def run(name: str, lr: float, seed: int, steps: int) -> dict:
-        settings = {"model": name, "lr": lr, "seed": seed, "steps": steps, **model_cfg,
-                    "corpus": corpus["content_sha256"]}
-        return cached_run(out, settings, lambda: train_run(name, cfg, lr, seed, steps, train, val))
+    def settings(name: str, init: str, lr: float, seed: int, steps: int) -> dict:
+        extra = {} if init == BASE_INIT else {"init": init}  # runs of the base init keep their earlier keys
+        return {"model": name, "lr": lr, "seed": seed, "steps": steps, **model_cfg, **extra,
+                "corpus": corpus["content_sha256"]}
+
+    context = __import__("multiprocessing").get_context("spawn")
+    pool = context.Pool(jobs, start_worker, (cfg, corpus_dir, threads)) if jobs > 1 else None
+    if pool is None:
+        start_worker(cfg, corpus_dir, threads)
+
+    def many(specs: list[tuple]) -> list[dict]:
+        work = [(out, settings(*spec)) for spec in specs]
+        return pool.map(worker_run, work, chunksize=1) if pool else [worker_run(job) for job in work]
 
     sweep_steps = max(2, round(cfg["steps"] * cfg["sweep_fraction"]))
-    sweep = {m: {f"{lr:g}": run(m, lr, 0, sweep_steps) for lr in cfg["lrs"]} for m in MODELS}
-    lr = {m: min(cfg["lrs"], key=lambda x: sweep[m][f"{x:g}"]["curve"][-1]["val_loss"]) for m in MODELS}
-    print(f"learning rates: {lr}", flush=True)
-    main = {m: {} for m in MODELS}
-    for seed in cfg["seeds"]:
-        for m in MODELS:
-            main[m][str(seed)] = run(m, lr[m], seed, cfg["steps"])
+
+    def study(names: list[str], inits: list[str]) -> dict:
+        """{init: {name: {"lr", "sweep": {lr: run}, "seeds": {seed: run}}}}: a sweep, then every seed at its best."""
+        pairs = [(init, m) for init in inits for m in names]
+        specs = [(m, init, lr, 0, sweep_steps) for init, m in pairs for lr in cfg["lrs"]]
+        done = iter(many(specs))
+        found = {init: {m: {"sweep": {f"{lr:g}": next(done) for lr in cfg["lrs"]}} for m in names} for init in inits}
+        for init, m in pairs:
+            found[init][m]["lr"] = best_lr(cfg, found[init][m]["sweep"])
+        specs = [(m, init, found[init][m]["lr"], s, cfg["steps"]) for init, m in pairs for s in cfg["seeds"]]
+        done = iter(many(specs))
+        for init, m in pairs:
+            found[init][m]["seeds"] = {str(s): next(done) for s in cfg["seeds"]}
+        print("learning rates: " + ", ".join(f"{m} ({i}) {found[i][m]['lr']:g}" for i, m in pairs), flush=True)
+        return found
+
+    try:
+        inits = study(list(MODELS), list(INITS))
+        chosen = min(INITS, key=lambda init: mean_final(inits[init]["DIFF"]["seeds"]))
+        best = {m: min(INITS, key=lambda init: mean_final(inits[init][m]["seeds"])) for m in MODELS}
+        print(f"chosen initialisation (DIFF's lowest mean final loss): {chosen}; per family: {best}", flush=True)
+        controls = study(list(CONTROLS), [chosen])[chosen]
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
     skip = sum(s <= round(cfg["warmup"] * cfg["steps"]) for s in eval_steps(cfg["steps"], cfg["points"]))
-    # a check on the choice of learning rate: each model at the other's, first seed, full budget
-    other = {"DIFF": lr["Llama"], "Llama": lr["DIFF"]}
-    cross = {m: run(m, other[m], cfg["seeds"][0], cfg["steps"]) for m in MODELS}
-    controls = {m: {str(s): run(m, lr[head_layout(m, cfg)[0]], s, cfg["steps"]) for s in cfg["seeds"]}
-                for m in CONTROLS}
-    return {"config": cfg, "corpus": corpus, "quick": quick, "lr": lr, "fit_skip": skip,
+    return {"config": cfg, "corpus": corpus, "quick": quick, "fit_skip": skip, "chosen_init": chosen,
+            "best_init": best, "lr": {m: inits[best[m]][m]["lr"] for m in MODELS},
             "parameters": {m: parameter_count(m, cfg) for m in MODELS + CONTROLS},
-            "runs": {"sweep": sweep, "main": main, "cross": cross, "controls": controls}}
+            "runs": {"main": {m: inits[best[m]][m]["seeds"] for m in MODELS},
+                     "controls": {m: controls[m]["seeds"] for m in CONTROLS}},
+            "studies": {"inits": inits, "controls": controls}}
 
 
 def main() -> None:
@@ -570,7 +675,8 @@ def main() -> None:
                         help="where the release archive is (fetched there with pip when missing)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, about a minute")
     parser.add_argument("--from-saved", action="store_true", help="rewrite report.md from results.json, no training")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("--steps", type=int, default=None, help="training steps per main run (overrides the default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3)")
     args = parser.parse_args()
@@ -582,13 +688,12 @@ def main() -> None:
         results = json.loads(path.read_text())
         plot(results, out / "loss.png")
     else:
-        torch.set_num_threads(args.threads)
         cfg = dict(QUICK if args.quick else FULL)
         if args.steps:
             cfg["steps"] = args.steps
         if args.seeds:
             cfg["seeds"] = args.seeds
-        results = run_all(cfg, out, args.corpus_dir, args.quick)
+        results = run_all(cfg, out, args.corpus_dir, args.quick, args.jobs, args.threads)
         results["command"] = shlex.join(["python", "benchmarks/lm_scaling.py", *sys.argv[1:]])
         write_json(out / "results.json", results)
         plot(results, out / "loss.png")
