@@ -128,7 +128,8 @@ def build_model(name: str, cfg: dict, seed: int, init: str = BASE_INIT) -> torch
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     set_seed(seed)
     if family == "DIFF":
-        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim,
+        # embeddings unscaled here: `apply_init` scales both families alike
+        config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim, embedding_multiplier=1.0,
                             **CONTROL_CONFIG.get(name, {}))
         model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
     else:

@@ -92,7 +92,8 @@ def build_models(vocab: int, args: argparse.Namespace) -> dict:
     shared = dict(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16 * 16,
                   num_hidden_layers=args.layers, max_position_embeddings=1024, tie_word_embeddings=True)
     configs = {
-        "DIFF": (DiffForCausalLM, DiffConfig(**shared, num_attention_heads=args.heads)),
+        # Llama's initialisation for every model (DIFF's embeddings unscaled), as the stored runs were trained
+        "DIFF": (DiffForCausalLM, DiffConfig(**shared, num_attention_heads=args.heads, embedding_multiplier=1.0)),
         "DiffLlama": (DiffLlamaForCausalLM, DiffLlamaConfig(**shared, num_attention_heads=2 * args.heads,
                                                             num_key_value_heads=2 * args.heads, head_dim=d)),
         "Transformer": (LlamaForCausalLM, LlamaConfig(**shared, num_attention_heads=2 * args.heads, head_dim=d)),

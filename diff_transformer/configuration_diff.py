@@ -18,6 +18,8 @@ ATTENTION_TYPES = ("differential", "standard")
 # add `*_eps` fields) are kept as transformers keeps them; only a DiffConfig built in code gets the typo check. A
 # keyword, not module state, so that the class pickles by value (vLLM ships remote-code configs so) and nests.
 LOADING_SAVED = "_loading_saved"
+# Fields whose default for a new config differs from what a config.json without them was saved with.
+SAVED_DEFAULTS = {"embedding_multiplier": 1.0}
 # keyword arguments PreTrainedConfig itself consumes, which may look like one of our fields
 BASE_KWARGS = {"output_attentions", "attn_implementation", "experts_implementation", "name_or_path", "torch_dtype"}
 
@@ -172,6 +174,12 @@ class DiffConfig(PreTrainedConfig):
             A standard layer is Llama attention with `h * value_head_dim / head_dim` heads of dim d, which has the
             same projection shapes as a differential layer when `value_head_dim == 2 * head_dim`.
         attention_bias (`bool`): bias on q/k/v projections. attention_out_bias (`bool`): bias on o_proj.
+        embedding_multiplier (`float`, *optional*): the token embeddings are multiplied by it in the forward (the
+            input embedding module does, as Gemma's; the tied output head is not scaled). `None` (the default for
+            a new config) is `sqrt(hidden_size)`: with Llama's N(0, 0.02) init, SubLN's unit-RMS head outputs
+            would otherwise start several times larger than the embeddings they are added to (the
+            project's single-epoch language-modelling benchmark measured this start as DIFF's best). A config.json without the field (saved before it existed) loads with 1.0,
+            as it was trained; converted checkpoints keep their source's scaling (1.0 for Llama-family models).
 
     Invalid combinations raise `ValueError` at construction, naming the field and the fix.
     """
@@ -212,6 +220,7 @@ class DiffConfig(PreTrainedConfig):
     use_subln: bool = True
     diff_version: int = 1
     attention_types: list[str] | None = None
+    embedding_multiplier: float | None = None
 
     def __post_init__(self, **kwargs):
         saved = kwargs.pop(LOADING_SAVED, False)
@@ -237,6 +246,8 @@ class DiffConfig(PreTrainedConfig):
             self.value_head_dim = 2 * self.head_dim
         if self.attention_types is None:
             self.attention_types = ["differential"] * self.num_hidden_layers
+        if self.embedding_multiplier is None:
+            self.embedding_multiplier = math.sqrt(self.hidden_size)
         self.validate_diff()
         if self.diff_version == 2:
             self.base_model_tp_plan = V2_TP_PLAN  # an instance attribute; transformers never serializes the plan
@@ -266,8 +277,9 @@ class DiffConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DiffConfig":
-        """transformers' `from_dict`, without the typo check on the saved keys (`LOADING_SAVED`)."""
-        return super().from_dict({**config_dict, LOADING_SAVED: True}, **kwargs)
+        """transformers' `from_dict`, without the typo check on the saved keys (`LOADING_SAVED`); a config saved
+        before `embedding_multiplier` existed keeps the 1.0 it was trained with (`SAVED_DEFAULTS`)."""
+        return super().from_dict({**SAVED_DEFAULTS, **config_dict, LOADING_SAVED: True}, **kwargs)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
@@ -318,6 +330,8 @@ class DiffConfig(PreTrainedConfig):
         check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         for name in ("initializer_range", "lambda_std_dev"):
             check(getattr(self, name) >= 0, f"{name} is a standard deviation, so >= 0; got {getattr(self, name)}")
+        check(self.embedding_multiplier > 0, f"embedding_multiplier must be > 0 (1.0: unscaled embeddings, None: "
+              f"sqrt(hidden_size)), got {self.embedding_multiplier}")
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "

@@ -40,6 +40,7 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto import AutoModel
+from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -360,6 +361,8 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
         if isinstance(module, DiffLambda):
             for param in (module.q1, module.k1, module.q2, module.k2):
                 init.normal_(param, mean=0.0, std=module.std)
+        elif isinstance(module, Gemma3TextScaledWordEmbedding):  # a buffer, not saved: from the config
+            init.constant_(module.embed_scale, module.scalar_embed_scale)
 
     @classmethod
     def maybe_distribute_model(cls, model: "DiffPreTrainedModel", distributed_config, *args):
@@ -410,7 +413,11 @@ class DiffModel(DiffPreTrainedModel, LlamaModel):
         PreTrainedModel.__init__(self, config)  # LlamaModel's modules, with DIFF decoder layers
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        # token embeddings x config.embedding_multiplier, in the module so that inputs_embeds built with
+        # get_input_embeddings() (assisted decoding, peft's embedding adapters) are scaled alike
+        self.embed_tokens = Gemma3TextScaledWordEmbedding(
+            config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=config.embedding_multiplier
+        )
         self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)

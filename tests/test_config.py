@@ -269,3 +269,34 @@ def test_saved_config_with_extra_keys_reloads(tmp_path):
     config.save_pretrained(tmp_path)
     assert DiffConfig.from_pretrained(tmp_path).batch_norm_eps == 1e-5
 
+
+
+def test_embedding_multiplier_defaults_to_sqrt_hidden_and_round_trips(tmp_path):
+    """A new config scales embeddings by sqrt(hidden_size); an explicit value is kept; save and reload keep it and
+    write it to config.json (so a folder means the same model wherever it is loaded)."""
+    assert DiffConfig(hidden_size=64, num_attention_heads=2).embedding_multiplier == 8.0
+    assert DiffConfig(hidden_size=96, num_attention_heads=2).embedding_multiplier == math.sqrt(96)
+    config = tiny_config(embedding_multiplier=2.5)
+    assert config.embedding_multiplier == 2.5
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["embedding_multiplier"] == 2.5
+    assert AutoConfig.from_pretrained(tmp_path).embedding_multiplier == 2.5
+
+
+def test_config_saved_before_the_multiplier_loads_unscaled(tmp_path):
+    """A config.json without the field (every folder saved before it existed) keeps the 1.0 it was trained with,
+    through AutoConfig and DiffConfig alike; a config built in code gets the new default."""
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["embedding_multiplier"] == math.sqrt(saved["hidden_size"])
+    del saved["embedding_multiplier"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert AutoConfig.from_pretrained(tmp_path).embedding_multiplier == 1.0
+    assert DiffConfig.from_pretrained(tmp_path).embedding_multiplier == 1.0
+    assert DiffConfig.from_dict(saved).embedding_multiplier == 1.0
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), "2"])
+def test_bad_embedding_multiplier_refused(value):
+    with pytest.raises(ValueError, match="embedding_multiplier must be"):
+        tiny_config(embedding_multiplier=value)

@@ -1,12 +1,14 @@
 """Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
 
 import copy
+import json
 import inspect
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -550,6 +552,8 @@ def test_classes_hold_what_their_llama_parent_builds(parent):
         parent, lambda cls, c: cls(c))
     theirs, ours = init_fields(built(llama_class, llama_twin(config))), init_fields(built(diff_class, config))
     renamed = {**DIFF_CLASS_NAME, "LlamaAttention": "DiffAttention", "LlamaConfig": "DiffConfig"}
+    if parent == "LlamaModel":  # its embeddings are scaled by config.embedding_multiplier
+        renamed["Embedding"] = "Gemma3TextScaledWordEmbedding"
     expected = {name: renamed.get(kind, kind) for name, kind in theirs.items()}
     assert ours == expected, (f"{diff_class.__name__} drifted from {parent}: missing {set(expected) - set(ours)}, "
                               f"extra {set(ours) - set(expected)}, other classes "
@@ -565,3 +569,35 @@ def test_print_folds_identical_layers_like_llama():
     ours, theirs = repr(DiffForCausalLM(config)), repr(LlamaForCausalLM(llama_twin(config)))
     assert "(0-31): 32 x DiffDecoderLayer(" in ours, ours[:2000]
     assert len(ours.splitlines()) <= len(theirs.splitlines()) + 2, ours
+
+
+@pytest.mark.parametrize("multiplier", [None, 1.0, 3.5], ids=["default", "unscaled", "m3.5"])
+def test_token_embeddings_are_multiplied_and_only_they(multiplier):
+    """The first layer reads embedding_multiplier x E[ids] (None: sqrt(hidden)); the tied output head is not
+    scaled: the model equals an unscaled twin of the same weights fed those scaled embeddings."""
+    config = tiny_config(embedding_multiplier=multiplier, tie_word_embeddings=True)
+    expected = math.sqrt(config.hidden_size) if multiplier is None else multiplier
+    torch.manual_seed(0)
+    model = DiffForCausalLM(config).eval()
+    twin = DiffForCausalLM(tiny_config(embedding_multiplier=1.0, tie_word_embeddings=True)).eval()
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    weight = model.get_input_embeddings().weight
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        torch.testing.assert_close(out.hidden_states[0], weight[ids] * torch.tensor(expected), rtol=0, atol=0)
+        torch.testing.assert_close(out.logits, twin(inputs_embeds=weight[ids] * expected).logits,
+                                   rtol=1e-6, atol=1e-6)
+        assert torch.equal(model(inputs_embeds=model.get_input_embeddings()(ids)).logits, out.logits)
+
+
+def test_folder_saved_before_the_multiplier_keeps_unscaled_embeddings():
+    """A folder committed before the field existed (its config.json has none) loads with unscaled embeddings."""
+    folder = Path(__file__).parents[1] / "benchmarks/paper_small/quick/runs/retrieval-DIFF-seed0-9428adb8fc.model"
+    assert "embedding_multiplier" not in json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert model.config.embedding_multiplier == 1.0
+    ids = torch.arange(min(12, model.config.vocab_size))[None]
+    with torch.no_grad():
+        first = model(ids, output_hidden_states=True).hidden_states[0]
+    assert torch.equal(first, model.get_input_embeddings().weight[ids])

@@ -314,7 +314,7 @@ def test_diff_gqa_model_exports_as_mha_with_copies_and_refuses_a_lossy_fold():
     from diff_transformer import DiffConfig, DiffForCausalLM
     torch.manual_seed(0)
     config = DiffConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, embedding_multiplier=1.0,
                         rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     model = DiffForCausalLM(config).double().eval()
     model.set_attn_implementation("eager")
@@ -329,12 +329,21 @@ def test_diff_gqa_model_exports_as_mha_with_copies_and_refuses_a_lossy_fold():
         diff_to_unilm(model, num_kv_heads=2)
 
 
+def test_scaled_embeddings_are_refused_by_name():
+    """The decoders add unscaled embeddings: a model with another multiplier (the default) is refused, naming it."""
+    from diff_transformer import DiffConfig, DiffForCausalLM
+    config = DiffConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, rms_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"embedding_multiplier is 8\b.*embedding_multiplier=1.0"):
+        diff_to_unilm(DiffForCausalLM(config))
+
+
 def test_tied_embeddings_convert_both_ways():
     """A tied model exports without lm_head and imports back tied, with the same logits."""
     from diff_transformer import DiffConfig, DiffForCausalLM
     torch.manual_seed(0)
     config = DiffConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True)
+                        num_attention_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, embedding_multiplier=1.0)
     model = DiffForCausalLM(config).double().eval()
     state = diff_to_unilm(model)
     assert "lm_head.weight" not in state

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
@@ -215,6 +215,16 @@ def build_attention(*, widths: dict[str, int], config, prefix: str, cache_config
     return attention(config, prefix, cache_config, quant_config, widths[kind])
 
 
+class DiffModel(LlamaModel):
+    """vLLM's Llama body, its token embeddings multiplied by `embedding_multiplier` as transformers' model does
+    (a float32 scalar cast to the embeddings' dtype, then the product)."""
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().embed_input_ids(input_ids)
+        multiplier = getattr(self.config, "embedding_multiplier", 1.0)
+        return embeds if multiplier == 1.0 else embeds * torch.tensor(multiplier).to(embeds.dtype)
+
+
 class DiffForCausalLM(LlamaForCausalLM):
     """vLLM's Llama decoder (pre-RMSNorm, SwiGLU, vocab-parallel embedding and head) with differential attention."""
 
@@ -233,6 +243,9 @@ class DiffForCausalLM(LlamaForCausalLM):
         attention = functools.partial(build_attention, widths=widths)
         layer = functools.partial(LlamaDecoderLayer, attn_layer_type=attention)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
+
+    def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type: type[nn.Module] = LlamaDecoderLayer):
+        return DiffModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load our safetensors names: q/k/v into the fused qkv_proj in the rows order each layer

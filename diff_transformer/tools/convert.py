@@ -75,6 +75,7 @@ def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
 def shared_fields(config: PreTrainedConfig) -> dict:
     fields = {name: getattr(config, name) for name in SHARED_FIELDS}
     fields["mlp_bias"] = getattr(config, "mlp_bias", False)
+    fields["embedding_multiplier"] = 1.0  # the sources' embeddings are unscaled: logits stay equal
     return fields
 
 

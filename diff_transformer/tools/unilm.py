@@ -59,7 +59,8 @@ def unilm_config(state: dict, rope_theta: float, rms_norm_eps: float, **config_k
         num_key_value_heads=num_heads, head_dim=head_dim, value_head_dim=2 * head_dim,
         intermediate_size=state["model.layers.0.mlp.gate_proj.weight"].shape[0], rms_norm_eps=rms_norm_eps,
         tie_word_embeddings="lm_head.weight" not in state,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **config_kwargs,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        **{"embedding_multiplier": 1.0, **config_kwargs},  # the published decoders add unscaled embeddings
     )
     return config, n_rep
 
@@ -156,5 +157,8 @@ def check_exportable(model: DiffForCausalLM) -> None:
         problems.append("the published module has no biases")
     if config.lambda_init is not None:
         problems.append("lambda_init must follow the paper schedule (lambda_init=None)")
+    if config.embedding_multiplier != 1.0:
+        problems.append(f"embedding_multiplier is {config.embedding_multiplier:g}, and these decoders add unscaled "
+                        "embeddings (train with DiffConfig(embedding_multiplier=1.0) to export)")
     if problems:
         raise ValueError("cannot export as unilm MultiheadDiffAttn layers: " + "; ".join(problems))

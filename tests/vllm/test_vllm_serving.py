@@ -53,9 +53,11 @@ LONG_SHARED = LONG[:96] + [5, 6, 7, 8, 9, 50, 51, 52]
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "block_size": BLOCK, "max_num_batched_tokens": BUDGET,
           "enable_chunked_prefill": True, "enable_prefix_caching": True, "distributed_executor_backend": "uni"}
 
-# name -> DiffConfig fields (head_dim >= 32 unless the case is about the CPU kernel's padding)
+# name -> DiffConfig fields (head_dim >= 32 unless the case is about the CPU kernel's padding); every folder but
+# the one saved without the field has the default embedding_multiplier, sqrt(hidden_size)
 CASES = {
     "v1_mha": {"num_attention_heads": 2},
+    "v1_saved_without_multiplier": {"num_attention_heads": 2, "embedding_multiplier": 1.0, "legacy": True},
     "v1_gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
     "v2_gqa": {"num_attention_heads": 4, "num_key_value_heads": 2, "diff_version": 2},
     "hybrid": {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
@@ -79,8 +81,10 @@ def tokenizer():
     return build_word_tokenizer(WORDS, chat_template=CHAT_TEMPLATE, extra_special_tokens=CHAT_TOKENS)
 
 
-def save_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **fields) -> Path:
-    """A tiny DIFF model with learned-looking lambdas and SubLN gains, and the chat tokenizer, saved in `dtype`."""
+def save_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, legacy: bool = False,
+                **fields) -> Path:
+    """A tiny DIFF model with learned-looking lambdas and SubLN gains, and the chat tokenizer, saved in `dtype`;
+    `legacy`: its config.json without `embedding_multiplier`, as folders were saved before the field existed."""
     tok = tokenizer()
     torch.manual_seed(seed)
     config = DiffConfig(**{
@@ -100,6 +104,10 @@ def save_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                 param.normal_(0, 0.1)
     model.to(dtype).save_pretrained(folder)
     tok.save_pretrained(folder)
+    if legacy:
+        saved = json.loads((folder / "config.json").read_text())
+        del saved["embedding_multiplier"]
+        (folder / "config.json").write_text(json.dumps(saved))
     return folder
 
 
