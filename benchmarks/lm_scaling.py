@@ -100,6 +100,7 @@ INITS = {"llama": dict(embed_sqrt=False, out_depth=False), "embed-sqrt": dict(em
          "out-depth": dict(embed_sqrt=False, out_depth=True),
          "embed-sqrt+out-depth": dict(embed_sqrt=True, out_depth=True)}
 BASE_INIT = "llama"
+PACKAGE_DEFAULT = "embed-sqrt"  # DiffConfig's default for new models: embedding_multiplier = sqrt(hidden_size)
 
 
 def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
@@ -358,19 +359,6 @@ def verdict(covers: bool, diff_better: bool, better: str, worse: str) -> str:
     return better if diff_better else worse
 
 
-def cross_line(results: dict) -> list[str]:
-    """The learning-rate check: each model at the other model's learning rate, first seed, full budget."""
-    runs, seed = results["runs"], str(results["config"]["seeds"][0])
-    if "cross" not in runs:
-        return []
-    cells = []
-    for m, other in zip(MODELS, reversed(MODELS)):
-        own, swapped = runs["main"][m][seed]["curve"][-1]["val_loss"], runs["cross"][m]["curve"][-1]["val_loss"]
-        cells.append(f"{m} at {results['lr'][other]:g}: {swapped:.4f} (at its own {results['lr'][m]:g}: {own:.4f})")
-    return [f"- Each model at the other's learning rate (seed {seed}, full budget), final validation loss: "
-            + "; ".join(cells) + "."]
-
-
 def paired_gap(a: list[float], b: list[float]) -> str:
     """a - b per seed: mean +- sd and the 90% t interval of the mean."""
     gap = paired(a, b)
@@ -378,40 +366,103 @@ def paired_gap(a: list[float], b: list[float]) -> str:
     return f"{gap['mean']:+.4f} +- {gap['sd']:.4f} [{low:+.4f}, {high:+.4f}]"
 
 
-def final_losses(results: dict) -> dict[str, list[float]]:
-    """{model: final validation loss per seed} of the main models and of every stored control, in seed order."""
+def seed_finals(seeds: dict, cfg: dict) -> list[float]:
+    return [seeds[str(s)]["curve"][-1]["val_loss"] for s in cfg["seeds"]]
+
+
+def final_losses(results: dict, init: str | None = None) -> dict[str, list[float]]:
+    """{model: final validation loss per seed, in seed order}: DIFF and Llama at `init` (None: each at its best
+    initialisation, the headline runs), and every stored control (all at the chosen initialisation)."""
     cfg, runs = results["config"], results["runs"]
-    stored = {**runs["main"], **{m: runs["controls"][m] for m in CONTROLS if m in runs.get("controls", {})}}
-    return {m: [seeds[str(s)]["curve"][-1]["val_loss"] for s in cfg["seeds"]] for m, seeds in stored.items()}
+    main = runs["main"] if init is None else {m: results["studies"]["inits"][init][m]["seeds"] for m in MODELS}
+    stored = {**main, **runs.get("controls", {})}
+    return {m: seed_finals(seeds, cfg) for m, seeds in stored.items()}
+
+
+def gap_verdict(a: list[float], b: list[float], names: tuple[str, str]) -> str:
+    """What the 90% interval of a - b says, in words."""
+    low, high = paired(a, b)["t90"]
+    if low <= 0 <= high:
+        return "interval covers 0"
+    return f"{names[0]} lower" if high < 0 else f"{names[0]} higher"
+
+
+def init_lines(results: dict) -> list[str]:
+    """The initialisation study: every variant for both families, each with its swept learning rate."""
+    cfg, stored = results["config"], results["studies"]["inits"]
+    study = {init: stored[init] for init in INITS if init in stored}
+    lines = ["", "## Initialisation", "",
+             "Both families start from Hugging Face's Llama initialisation (N(0, 0.02), tied embeddings) and get the "
+             "same options on top: `embed-sqrt` multiplies the token embeddings by sqrt(hidden) in the forward "
+             "(Gemma; the first author's YOCO code; DIFF's `embedding_multiplier`), `out-depth` scales each block's "
+             "output projections (o_proj, down_proj) by 1/sqrt(2 layers) at init (GPT-2, Megatron). Each variant has "
+             "its own learning-rate sweep (same grid and budget as above) for each family, then every seed:", "",
+             "| initialisation | model | LR | final val loss per seed | mean +- sd | DIFF - Llama [90% t interval] |",
+             "|---|---|---|---|---|---|"]
+    for init in study:
+        finals = {m: seed_finals(study[init][m]["seeds"], cfg) for m in MODELS}
+        for m in MODELS:
+            gap = (f"{paired_gap(finals['DIFF'], finals['Llama'])}: "
+                   f"{gap_verdict(finals['DIFF'], finals['Llama'], ('DIFF', 'Llama'))}" if m == "DIFF" else "")
+            lines.append(f"| {init} | {m} | {study[init][m]['lr']:g} | " + ", ".join(f"{v:.4f}" for v in finals[m])
+                         + " | {mean:.4f} +- {sd:.4f} | ".format(**spread(finals[m])) + gap + " |")
+    base = {m: seed_finals(study[BASE_INIT][m]["seeds"], cfg) for m in MODELS}
+    lines += ["", f"Each family against itself at `{BASE_INIT}` (paired by seed, [90% t interval]):", ""]
+    for init in (i for i in study if i != BASE_INIT):
+        cells = [f"{m} {paired_gap(seed_finals(study[init][m]['seeds'], cfg), base[m])}" for m in MODELS]
+        lines.append(f"- {init}: " + "; ".join(cells))
+    chosen, best = results["chosen_init"], results["best_init"]
+    default = (f"the package's default for new models (`DiffConfig().embedding_multiplier` = sqrt(hidden)) is "
+               f"`{PACKAGE_DEFAULT}`" + (", the same" if chosen == PACKAGE_DEFAULT else ", not the same"))
+    lines += ["", f"DIFF's lowest mean final loss is at `{chosen}`, where the controls below run; {default}. Each "
+              "family's best: " + ", ".join(f"{m} `{best[m]}`" for m in MODELS)
+              + "; the result above compares each at its best.", "",
+              "Learning-rate sweeps (final validation loss after the sweep budget, seed 0):", "",
+              "| LR | " + " | ".join(f"{m} {i}" for i in study for m in MODELS) + " |",
+              "|---|" + "---|" * (len(study) * len(MODELS))]
+    for lr in cfg["lrs"]:
+        lines.append(f"| {lr:g} | " + " | ".join(f"{study[i][m]['sweep'][f'{lr:g}']['curve'][-1]['val_loss']:.4f}"
+                                                 for i in study for m in MODELS) + " |")
+    edges = [f"{m} {i}" for i in study for m in MODELS if study[i][m]["lr"] in (min(cfg["lrs"]), max(cfg["lrs"]))]
+    if edges:
+        lines += ["", f"The best learning rate is at the edge of the grid for {', '.join(edges)}."]
+    return lines
+
+
+CONTROL_PAIRS = (("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
+                 ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
+                 ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
+                 ("DIFF", "DIFF-noSubLN", "SubLN against none"), ("DIFF-noSubLN", "Llama-h", "both with h heads"),
+                 ("DIFF-V2", "DIFF", "DIFF V2 against V1"), ("DIFF-V2", "Llama", "DIFF V2 against Llama"))
 
 
 def control_lines(results: dict) -> list[str]:
-    """The controls (CONTROLS, each at its own family's learning rate), final validation losses paired by seed."""
-    cfg, finals = results["config"], final_losses(results)
+    """The controls, on the chosen initialisation, each with its own swept learning rate; paired by seed with DIFF
+    and Llama at that initialisation."""
+    cfg, chosen = results["config"], results["chosen_init"]
+    finals = final_losses(results, chosen)
     names = [m for m in CONTROLS if m in finals]
     if not names:
         return []
-    lines = ["", "## Controls: head count and lambda", "",
+    lrs = {m: results["studies"]["inits"][chosen][m]["lr"] for m in MODELS}
+    lrs |= {m: results["studies"]["controls"][m]["lr"] for m in names}
+    lines = ["", f"## Controls, on `{chosen}`", "",
              "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
              "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
              "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. DIFF-noSubLN "
-             "drops the per-head RMSNorm and its (1 - lambda_init) scale. Each runs at its own family's learning "
-             "rate:", "",
+             "drops the per-head RMSNorm and its (1 - lambda_init) scale. DIFF-V2 (`diff_version=2`, no SubLN by "
+             "design) has Llama's 2h heads for keys, values and output and twice its query rows. Each control has "
+             "its own learning-rate sweep:", "",
              "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
              "|---|---|---|---|---|---|"]
     for m in (*MODELS, *names):
-        family, heads, dim = head_layout(m, cfg)
-        lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {results['lr'][family]:g} | "
+        _, heads, dim = head_layout(m, cfg)
+        lines.append(f"| {m} | {heads} x {dim} | {results['parameters'][m]:,} | {lrs[m]:g} | "
                      + ", ".join(f"{v:.4f}" for v in finals[m])
                      + " | {mean:.4f} +- {sd:.4f} |".format(**spread(finals[m])))
-    pairs = [("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
-             ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
-             ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
-             ("DIFF-lambda0", "Llama-h", "h softmax heads each: q/k dim d with SubLN against q/k dim 2d"),
-             ("DIFF", "DIFF-noSubLN", "SubLN against none"), ("DIFF-noSubLN", "Llama-h", "both with h heads")]
     lines += ["", "Paired differences of the final validation loss (mean +- sd over seeds [90% t interval]):", ""]
-    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}" for a, b, what in pairs
-              if a in finals and b in finals]
+    lines += [f"- {a} - {b} ({what}): {paired_gap(finals[a], finals[b])}: {gap_verdict(finals[a], finals[b], (a, b))}"
+              for a, b, what in CONTROL_PAIRS if a in finals and b in finals]
     return lines
 
 
@@ -440,24 +491,15 @@ def render(results: dict) -> str:
         f"linear warm-up over {cfg['warmup']:.0%} of the steps then linear decay to 0; seeds {cfg['seeds']} paired "
         "(same initialisation seed and batch order per seed).",
         "",
-        f"Learning rate: picked per model by final validation loss after {cfg['sweep_fraction']:.0%} of the budget, "
-        "seed 0:",
-        "",
-        "| LR | " + " | ".join(MODELS) + " |",
-        "|---|" + "---|" * len(MODELS),
+        f"Learning rate: picked per model and initialisation by final validation loss after "
+        f"{cfg['sweep_fraction']:.0%} of the budget, seed 0, from {', '.join(f'{lr:g}' for lr in cfg['lrs'])}.",
     ]
-    for lr in cfg["lrs"]:
-        row = [f"{runs['sweep'][m][f'{lr:g}']['curve'][-1]['val_loss']:.4f}" for m in MODELS]
-        lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
-    edges = [m for m in MODELS if results["lr"][m] in (min(cfg["lrs"]), max(cfg["lrs"]))]
-    if edges:
-        lines += ["", f"The sweep's best learning rate is at the edge of the range for {' and '.join(edges)}."]
-    lines += ["", "## Result", "",
-              "| | parameters | LR | final val loss per seed | mean +- sd | fit E + A (T/1M)^-alpha |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Result: each family at its best initialisation", "",
+              "| | parameters | initialisation | LR | final val loss per seed | mean +- sd | fit E + A (T/1M)^-alpha |",
+              "|---|---|---|---|---|---|---|"]
     for m in MODELS:
         fit, final = stats["fits"][m], stats["final"][m]
-        lines.append(f"| {m} | {results['parameters'][m]:,} | {results['lr'][m]:g} | "
+        lines.append(f"| {m} | {results['parameters'][m]:,} | {results['best_init'][m]} | {results['lr'][m]:g} | "
                      + ", ".join(f"{v:.4f}" for v in final["per_seed"])
                      + f" | {final['mean']:.4f} +- {final['sd']:.4f} | "
                        f"{fit['E']:.3f} + {fit['A']:.3f} (T/1M)^-{fit['alpha']:.3f} (rmse {fit['rmse']:.4f}) |")
@@ -482,10 +524,10 @@ def render(results: dict) -> str:
         f"(paper: ~{1 / PAPER_RATIO:.2f}).",
         "- Without a fit (DIFF's mean curve, interpolated in log T, crossing Llama's mean final loss): "
         + (f"{interp:.2f}." if interp is not None else "no crossing within the measured range."),
-        *cross_line(results),
         "- Training time per run on one CPU core (one thread, evaluations included): "
         + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
         + ".",
+        *init_lines(results),
         *control_lines(results),
         "",
         "## Validation loss along training (mean over seeds)",

@@ -227,10 +227,19 @@ def paper_small_retrieval(root: Path) -> str:
 CONTROL_SHOWN = {"Llama-h": "Llama with DIFF's head count ({heads} heads of dim {dim})",
                  "DIFF-2h": "DIFF with Llama's head count ({heads} heads of q/k dim {dim})",
                  "DIFF-lambda0": "DIFF with lambda held at 0 (its first branch alone)",
-                 "DIFF-noSubLN": "DIFF without SubLN"}
+                 "DIFF-noSubLN": "DIFF without SubLN",
+                 "DIFF-V2": "DIFF V2 ({heads} heads of dim {dim}, no SubLN by design)"}
 
 
-GAPS_SHOWN = (("DIFF", "Llama"), ("DIFF", "DIFF-noSubLN"), ("DIFF-noSubLN", "Llama-h"))  # paired by seed
+# paired by seed, at the chosen initialisation
+GAPS_SHOWN = (("DIFF", "Llama"), ("DIFF", "Llama-h"), ("DIFF", "DIFF-lambda0"), ("DIFF", "DIFF-noSubLN"),
+              ("DIFF-noSubLN", "Llama-h"), ("DIFF-V2", "DIFF"), ("DIFF-V2", "Llama"))
+
+
+def interval_cell(module, a: list[float], b: list[float]) -> str:
+    gap = module.paired(a, b)
+    low, high = gap["t90"]
+    return f"{gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval [{low:+.3f}, {high:+.3f}]"
 
 
 def lm_scaling(root: Path) -> str:
@@ -239,38 +248,42 @@ def lm_scaling(root: Path) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     results = json.loads((root / "benchmarks" / "lm_scaling" / "results.json").read_text())
-    cfg, runs = results["config"], results["runs"]
+    cfg, runs, study = results["config"], results["runs"], results["studies"]["inits"]
     curves = {m: [runs["main"][m][str(seed)]["curve"] for seed in cfg["seeds"]] for m in module.MODELS}
     stats = module.analyse(curves, results["fit_skip"])
     tokens = curves["DIFF"][0][-1]["tokens"]
     seeds = ", ".join(str(seed) for seed in cfg["seeds"])
+    cell = lambda values: "{mean:.3f} ± {sd:.3f}".format(**module.spread(values))
     lines = [f"One pass over {tokens:,} byte tokens of {results['corpus']['name']} {results['corpus']['version']}'s "
-             f"source release, seeds {seeds} paired, learning rate swept for DIFF and Llama (each control at its "
-             "family's):", "",
-             "| model | parameters | learning rate | final validation loss | elsewhere, same measurement |",
-             "|---|---|---|---|---|"]
-    for name in module.MODELS:
-        final = stats["final"][name]
-        per_seed = ", ".join(f"{value:.3f}" for value in final["per_seed"])
-        lines.append(f"| {name} | {results['parameters'][name]:,} | {results['lr'][name]:g} | "
-                     f"{final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
-    finals = module.final_losses(results)
-    for name in (m for m in module.CONTROLS if m in finals):
-        family, heads, dim = module.head_layout(name, cfg)
-        final = module.spread(finals[name])
+             f"source release, {results['parameters']['DIFF']:,} parameters, seeds {seeds} paired; every model and "
+             "initialisation with its own learning-rate sweep. Initialisations (the same options for both families):",
+             "", "| initialisation | DIFF final loss (LR) | Llama final loss (LR) | DIFF - Llama |", "|---|---|---|---|"]
+    for init in (i for i in module.INITS if i in study):
+        finals = {m: module.seed_finals(study[init][m]["seeds"], cfg) for m in module.MODELS}
+        lines.append(f"| {init}{' (the default)' if init == module.PACKAGE_DEFAULT else ''} | "
+                     + " | ".join(f"{cell(finals[m])} ({study[init][m]['lr']:g})" for m in module.MODELS)
+                     + f" | {interval_cell(module, finals['DIFF'], finals['Llama'])} |")
+    chosen = results["chosen_init"]
+    finals = module.final_losses(results, chosen)
+    lrs = {m: study[chosen][m]["lr"] for m in module.MODELS}
+    lrs |= {m: entry["lr"] for m, entry in results["studies"]["controls"].items()}
+    lines += ["", f"Controls at `{chosen}`, each with its own learning-rate sweep:", "",
+              "| model | parameters | learning rate | final validation loss | elsewhere, same measurement |",
+              "|---|---|---|---|---|"]
+    for name in (*module.MODELS, *(m for m in module.CONTROLS if m in finals)):
+        _, heads, dim = module.head_layout(name, cfg)
+        shown = f"{name}: {CONTROL_SHOWN[name].format(heads=heads, dim=dim)}" if name in CONTROL_SHOWN else name
         per_seed = ", ".join(f"{value:.3f}" for value in finals[name])
-        lines.append(f"| {name}: {CONTROL_SHOWN[name].format(heads=heads, dim=dim)} | {results['parameters'][name]:,} "
-                     f"| {results['lr'][family]:g} | {final['mean']:.3f} ± {final['sd']:.3f} ({per_seed}) | |")
-    ratio = stats["ratio"]["diff_over_llama"]
+        lines.append(f"| {shown} | {results['parameters'][name]:,} | {lrs[name]:g} | {cell(finals[name])} "
+                     f"({per_seed}) | |")
     for a, b in (pair for pair in GAPS_SHOWN if all(name in finals for name in pair)):
-        gap = module.paired(finals[a], finals[b])
-        low, high = gap["t90"]
         elsewhere = (" -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent replication) "
                      if (a, b) == ("DIFF", "Llama") else " ")
-        lines.append(f"| {a} - {b} | | | {gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval "
-                     f"[{low:+.3f}, {high:+.3f}] |{elsewhere}|")
-    lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's | | | "
-                 f"{module.fmt_ratio(ratio['estimate'])}, "
+        lines.append(f"| {a} - {b} | | | {interval_cell(module, finals[a], finals[b])} |{elsewhere}|")
+    ratio = stats["ratio"]["diff_over_llama"]
+    best = results["best_init"]
+    lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's (each at its best initialisation: "
+                 f"DIFF {best['DIFF']}, Llama {best['Llama']}) | | | {module.fmt_ratio(ratio['estimate'])}, "
                  f"90% interval [{module.fmt_ratio(ratio['p05'])}, {module.fmt_ratio(ratio['p95'])}] "
                  "(extrapolated fit) | ~0.64 (the paper, Figure 3, 830M-13B parameters) |")
     return "\n".join(lines)

@@ -95,34 +95,91 @@ def test_eval_steps_are_log_spaced_and_end_at_the_last_step():
     assert ratios.max() / ratios.min() < 1.5
 
 
+# final-loss shift of each family at each initialisation: DIFF is best at embed-sqrt, Llama ties llama/embed-sqrt
+# (the first in INITS order, llama, is its best)
+INIT_SHIFT = {"DIFF": {"llama": 0.1, "embed-sqrt": 0.0, "out-depth": 0.05, "embed-sqrt+out-depth": 0.02},
+              "Llama": {"llama": 0.0, "embed-sqrt": 0.0, "out-depth": 0.03, "embed-sqrt+out-depth": 0.04}}
+
+
+def study_entry(m: str, init: str, cfg: dict, lr: float) -> dict:
+    offsets = {"DIFF": (0.01, -0.02, 0.0), "Llama": (0.0, 0.01, -0.01)}
+    seeds = {str(s): {"curve": law(1.5, 0.5 if m == "Llama" else 0.45, 0.3, offsets[m][s] + INIT_SHIFT[m][init]),
+                      "seconds": 1.0} for s in cfg["seeds"]}
+    sweep = {f"{x:g}": {"curve": law(1.6 + abs(x - lr), 0.5, 0.3)[:4], "seconds": 1.0} for x in cfg["lrs"]}
+    return {"lr": lr, "sweep": sweep, "seeds": seeds}
+
+
 def fake_results() -> dict:
     cfg = dict(lm_scaling.FULL, steps=len(TOKENS), seeds=[0, 1, 2], lrs=[2e-3, 4e-3, 8e-3])
-    offsets = {"DIFF": (0.01, -0.02, 0.0), "Llama": (0.0, 0.01, -0.01)}
-    main = {m: {str(s): {"curve": law(1.5, 0.5 if m == "Llama" else 0.45, 0.3, offsets[m][s]), "seconds": 1.0}
-                for s in cfg["seeds"]} for m in lm_scaling.MODELS}
-    sweep = {m: {f"{lr:g}": {"curve": law(1.6 + lr, 0.5, 0.3)[:4], "seconds": 1.0} for lr in cfg["lrs"]}
-             for m in lm_scaling.MODELS}
+    lrs = {"DIFF": 4e-3, "Llama": 8e-3}
+    inits = {init: {m: study_entry(m, init, cfg, lrs[m]) for m in lm_scaling.MODELS} for init in lm_scaling.INITS}
+    best = {"DIFF": "embed-sqrt", "Llama": "llama"}
     corpus = dict(name="Django", version="5.1.4", file="x", sha256="0" * 64, license="BSD-3-Clause",
                   bytes=11_471_364, content_sha256="1" * 64)
     return {"command": "python benchmarks/lm_scaling.py", "config": cfg, "corpus": corpus, "quick": False,
-            "lr": {"DIFF": 4e-3, "Llama": 8e-3}, "fit_skip": 1,
+            "lr": lrs, "fit_skip": 1, "chosen_init": "embed-sqrt", "best_init": best,
             "parameters": {"DIFF": 468_384, "Llama": 467_808},
-            "runs": {"sweep": sweep, "main": main, "cross": {m: main[m]["0"] for m in lm_scaling.MODELS}}}
+            "runs": {"main": {m: inits[best[m]][m]["seeds"] for m in lm_scaling.MODELS}, "controls": {}},
+            "studies": {"inits": inits, "controls": {}}}
 
 
 def test_report_from_saved_is_byte_for_byte(tmp_path, monkeypatch):
     results = fake_results()
     first = lm_scaling.render(results)
     assert first == lm_scaling.render(json.loads(json.dumps(results)))
-    assert "| DIFF | 468,384 | 0.004 |" in first and "| Llama | 467,808 | 0.008 |" in first
-    # final losses by hand: 1.5 + 0.01 + 0.45 * 0.8^-0.3 = 1.9912 and 1.5 + 0.5 * 0.8^-0.3 = 2.0346
-    assert "DIFF at 0.008: 1.9912 (at its own 0.004: 1.9912); Llama at 0.004: 2.0346" in first
-    assert "edge of the range for Llama." in first  # 8e-3 is the sweep's largest, 4e-3 inside
+    assert "| DIFF | 468,384 | embed-sqrt | 0.004 |" in first and "| Llama | 467,808 | llama | 0.008 |" in first
+    assert "edge of the grid for Llama llama, Llama embed-sqrt" in first  # 8e-3 is the grid's largest
     (tmp_path / "results.json").write_text(json.dumps(results))
     monkeypatch.setattr(sys, "argv", ["lm_scaling.py", "--from-saved", "--output-dir", str(tmp_path)])
     lm_scaling.main()
     assert (tmp_path / "report.md").read_text() == first
     assert {p.name for p in tmp_path.iterdir()} <= {"report.md", "results.json", "loss.png"}
+
+
+def test_initialisation_table_by_hand():
+    """Every variant's rows, in INITS order, with the paired DIFF - Llama gap and its verdict."""
+    report = lm_scaling.render(fake_results())
+    # finals: DIFF 1.5 + 0.45 * 0.8^-0.3 = 1.98114 + offset + shift; Llama 1.5 + 0.5 * 0.8^-0.3 = 2.03460 + ...
+    # llama: DIFF 2.0912, 2.0612, 2.0812; Llama 2.0346, 2.0446, 2.0246: gaps +0.0566, +0.0166, +0.0566, mean
+    # +0.0432, sd 0.0231, half width 2.920 * 0.0231 / sqrt(3) = 0.0389
+    assert ("| llama | DIFF | 0.004 | 2.0912, 2.0612, 2.0812 | 2.0778 +- 0.0153 | +0.0432 +- 0.0231 "
+            "[+0.0043, +0.0821]: DIFF higher |") in report
+    # embed-sqrt: gaps -0.0434, -0.0834, -0.0434: mean -0.0568, interval [-0.1957, +0.0821]... by the same sd
+    assert "| embed-sqrt | DIFF | 0.004 | 1.9912, 1.9612, 1.9812 | 1.9778 +- 0.0153 | -0.0568 +- 0.0231 " in report
+    assert "[-0.0957, -0.0179]: DIFF lower |" in report
+    rows = [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| ") and " | DIFF | 0.004 |" in line]
+    assert rows == ["| llama", "| embed-sqrt", "| out-depth", "| embed-sqrt+out-depth"]
+    # each family against itself at llama, e.g. DIFF at embed-sqrt: -0.1 on every seed
+    assert "- embed-sqrt: DIFF -0.1000 +- 0.0000 [-0.1000, -0.1000]; Llama +0.0000 +- 0.0000" in report
+    assert "DIFF's lowest mean final loss is at `embed-sqrt`" in report
+    assert "(`DiffConfig().embedding_multiplier` = sqrt(hidden)) is `embed-sqrt`, the same" in report
+
+
+def test_package_default_is_the_studied_variant():
+    """lm_scaling's name for the package's default and DiffConfig's default are one initialisation."""
+    from diff_transformer import DiffConfig
+
+    spec = lm_scaling.INITS[lm_scaling.PACKAGE_DEFAULT]
+    config = DiffConfig(hidden_size=96, num_attention_heads=2)
+    assert spec["embed_sqrt"] and config.embedding_multiplier == math.sqrt(96)
+    assert not spec["out_depth"]  # DiffConfig's init leaves the output projections at Llama's std
+
+
+def test_initialisations_apply_alike_to_both_families():
+    """embed-sqrt: the first layer reads sqrt(hidden) x E[ids] in both; out-depth: o_proj and down_proj scaled by
+    1/sqrt(2 layers) from the same seed's Llama init, every other weight unchanged."""
+    cfg = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    for name in ("DIFF", "Llama"):
+        base = lm_scaling.build_model(name, cfg, 0)
+        scaled = lm_scaling.build_model(name, cfg, 0, "embed-sqrt")
+        with torch.no_grad():
+            first = scaled(ids, output_hidden_states=True).hidden_states[0]
+        assert torch.equal(first, base.get_input_embeddings().weight[ids] * math.sqrt(32)), name
+        deep = dict(lm_scaling.build_model(name, cfg, 0, "out-depth").named_parameters())
+        for key, value in base.named_parameters():
+            factor = 0.5 if key.endswith(("o_proj.weight", "down_proj.weight")) else 1.0  # 1 / sqrt(2 * 2)
+            assert torch.equal(deep[key], value * factor), (name, key)
 
 
 def test_missing_corpus_names_the_command(tmp_path):
@@ -149,13 +206,19 @@ def test_head_count_control_gaps_by_hand():
     results = fake_results()
     finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0),
               "DIFF-noSubLN": (1.8, 1.8, 1.8)}
+    finals["DIFF-V2"] = (2.0, 1.9, 2.0)
+    control_lr = {"Llama-h": 8e-3, "DIFF-2h": 4e-3, "DIFF-lambda0": 4e-3, "DIFF-noSubLN": 1.6e-2, "DIFF-V2": 2e-3}
     results["runs"]["controls"] = {m: {str(s): {"curve": [{"step": 1, "tokens": 1, "val_loss": v, "train_loss": v}],
                                                 "seconds": 1.0} for s, v in enumerate(finals[m])}
                                    for m in lm_scaling.CONTROLS}
-    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384, "DIFF-noSubLN": 468_192}
+    results["studies"]["controls"] = {m: {"lr": control_lr[m], "seeds": results["runs"]["controls"][m]}
+                                      for m in lm_scaling.CONTROLS}
+    results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384, "DIFF-noSubLN": 468_192,
+                              "DIFF-V2": 486_816}
     report = lm_scaling.render(results)
     assert report == lm_scaling.render(json.loads(json.dumps(results)))
-    # cfg: hidden 96, head_dim 24 -> h = 2; Llama-h runs at Llama's 0.008, DIFF-2h at DIFF's 0.004
+    # cfg: hidden 96, head_dim 24 -> h = 2; each control at its own swept learning rate; DIFF and Llama at the
+    # chosen initialisation (embed-sqrt), whose finals are DIFF 1.9912, 1.9612, 1.9812 and Llama 2.0346, 2.0446, 2.0246
     assert "| Llama-h | 2 x 48 | 467,808 | 0.008 | 2.0000, 2.1000, 2.3000 | 2.1333 +- 0.1528 |" in report
     assert "| DIFF-2h | 4 x 12 | 468,480 | 0.004 | 1.9000, 1.9000, 2.0000 | 1.9333 +- 0.0577 |" in report
     # DIFF-2h - DIFF per seed: DIFF's finals are 1.9912, 1.9612, 1.9812 -> -0.0912, -0.0612, +0.0188
@@ -167,7 +230,11 @@ def test_head_count_control_gaps_by_hand():
     assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0): -0.0222 +- 0.0153" in report
     assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
     assert "- DIFF - DIFF-noSubLN (SubLN against none): +0.1778 +- 0.0153" in report
-    results["runs"]["controls"].pop("DIFF-lambda0")  # a results.json from before that control: its rows left out
+    assert "| DIFF-noSubLN | 2 x 24 | 468,192 | 0.016 |" in report and "| DIFF-V2 | 4 x 24 | 486,816 | 0.002 |" in report
+    # DIFF-V2 - DIFF: +0.00885, -0.06115, +0.01885: mean -0.01115, sd 0.0436, half width 0.0735: covers 0
+    assert "- DIFF-V2 - DIFF (DIFF V2 against V1): -0.0112 +- 0.0436 [-0.0846, +0.0623]: interval covers 0" in report
+    assert "## Controls, on `embed-sqrt`" in report
+    results["runs"]["controls"].pop("DIFF-lambda0")  # a control not stored: its rows left out
     assert "lambda0 |" not in lm_scaling.render(results) and "| DIFF-2h |" in lm_scaling.render(results)
 
 
@@ -191,9 +258,13 @@ def test_head_layouts_keep_every_projection_shape(name):
     cfg = dict(lm_scaling.FULL, layers=1)
     shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items() if "proj" in k}
     model = lm_scaling.build_model(name, cfg, 0)
-    assert shapes(model) == shapes(lm_scaling.build_model("Llama", cfg, 0))  # every projection as in Llama
+    expected = shapes(lm_scaling.build_model("Llama", cfg, 0))  # every projection as in Llama
+    if name == "DIFF-V2":  # but V2's doubled queries and its lambda projection (h = 4 heads of 24)
+        expected |= {"model.layers.0.self_attn.q_proj.weight": (2 * 96, 96),
+                     "model.layers.0.self_attn.lambda_proj.weight": (4, 96)}
+    assert shapes(model) == expected
     attention = model.model.layers[0].self_attn
-    if lm_scaling.head_layout(name, cfg)[0] == "DIFF":  # SubLN in every DIFF layout but DIFF-noSubLN
+    if lm_scaling.head_layout(name, cfg)[0] == "DIFF" and name != "DIFF-V2":  # SubLN in all but DIFF-noSubLN
         assert isinstance(attention.subln, torch.nn.Identity) == (name == "DIFF-noSubLN")
     assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4,
-                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2}[name]
+                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2, "DIFF-V2": 4}[name]
