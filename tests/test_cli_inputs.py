@@ -9,6 +9,7 @@ answer without importing torch. Also what `train` leaves behind: nothing on Ctrl
 whose files share one mode, with its training settings recorded for the model card. (The commands' work:
 test_cli.py.)"""
 
+import importlib.util
 import json
 import os
 import pty
@@ -368,10 +369,12 @@ PROMPT = "k3 v7 k9 v2 ? k9"
 
 
 def run_cases(cases: list[list[str]], folder: Path, root: Path = ROOT, timeout: int = 400,
-              stdin: int = subprocess.DEVNULL) -> list[tuple[int, str]]:
-    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with)."""
+              stdin: int = subprocess.DEVNULL, unset: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with),
+    without the environment variables `unset`."""
     (folder / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in unset}, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", RUN_CASES, "cases.json", "results.json"], cwd=folder, env=env,
                             stdin=stdin, capture_output=True, text=True, timeout=timeout)
     assert (folder / "results.json").is_file(), result.stderr[-3000:]
@@ -444,6 +447,25 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
     "short-data": (["train", "--data", "{d}/short.txt", "--output", "{d}/runs/short"],
                    "--data {d}/short.txt has 12 bytes, fewer than the 127 tokens of text in one block of --block-size "
                    "128; give a longer file or --block-size 13", "runs"),
+    "block-size-without-data": (["train", "--max-steps", "5", "--block-size", "100000", "--output", "{d}/runs/bs"],
+                                "--block-size applies to --data (the built-in task sets its own sequences and "
+                                "vocabulary) only; drop --block-size", "runs"),
+    "examples-with-data": (["train", "--data", "{d}/corpus.txt", "--examples", "10", "--output", "{d}/runs/ex"],
+                           "--examples applies to the built-in task (--data trains on the file's text) only; drop "
+                           "--examples", "runs"),
+    "tiny-vocabulary": (["train", "--data", "{d}/corpus.txt", "--vocab-size", "10", "--output", "{d}/runs/vocab"],
+                        "--vocab-size 10 is smaller than the tokenizer's fixed entries (256 bytes and 4 special "
+                        "tokens); use --vocab-size 260 or more", "runs"),
+    "tiny-chat-vocabulary": (["train", "--data", "{d}/corpus.txt", "--vocab-size", "262", "--chat-template",
+                              "--output", "{d}/runs/chat"],
+                             "(256 bytes and 7 special tokens); use --vocab-size 263 or more", "runs"),
+    "block-size-one": (["train", "--data", "{d}/corpus.txt", "--block-size", "1", "--output", "{d}/runs/one"],
+                       "--block-size 1 leaves no room for text: a block is <s> and --block-size - 1 tokens of the "
+                       "file; use --block-size 2 or more", "runs"),
+    "max-new-tokens-beyond-context": (["generate", "{d}/model", "--prompt", PROMPT, "--max-new-tokens", "100000"],
+                                      "--max-new-tokens 100000 leaves no room for a prompt in the context of "
+                                      "{d}/model (256 tokens, max_position_embeddings); use at most 249: the prompt "
+                                      "takes 7 of its tokens", None),
 }
 
 
@@ -457,6 +479,7 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "empty.txt").write_text("")
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
+    (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
     cases = [[a.format(d=root) for a in arguments] for arguments, _, _ in SILENTLY_WRONG.values()]
     return root, dict(zip(SILENTLY_WRONG, run_cases(cases, root)))
 
@@ -476,6 +499,50 @@ def test_silently_wrong_refused(silently_wrong, name):
     if written is not None:
         assert not (root / written).exists(), list((root / written).rglob("*"))
     assert not list(root.glob(".*incomplete*")), "a staging folder was left behind"
+
+
+def test_max_new_tokens_hint_is_the_most_that_fits(silently_wrong, capsys):
+    """`generate --max-new-tokens 100000` names the most that fit with the prompt counted (before: the context less
+    one, which a second refusal then answered); that number generates, one more is refused."""
+    root, results = silently_wrong
+    most = int(re.search(r"use at most (\d+): ", results["max-new-tokens-beyond-context"][1])[1])
+    line = answer(["generate", str(root / "model"), "--prompt", PROMPT, "--max-new-tokens", str(most + 1)], capsys)
+    assert f"the prompt is 7 tokens, and with --max-new-tokens {most + 1} needs 257, more than the context" in line
+    main(["generate", str(root / "model"), "--prompt", PROMPT, "--max-new-tokens", str(most)])
+    assert capsys.readouterr().out.split("generated: ", 1)[1].startswith(PROMPT)
+
+
+def test_smallest_vocabulary_is_what_bpe_keeps(tmp_path):
+    """The --vocab-size floor the command line names is the size a byte-level BPE tokenizer has before any merge:
+    asked for it, the tokenizer has exactly that many entries, and asked for less, it has them anyway."""
+    from diff_transformer.tools.tokenizer import CHAT_TOKENS
+    from diff_transformer_cli import smallest_vocabulary
+
+    texts = KeyValueTask().texts(50)
+    for chat in (False, True):
+        smallest = smallest_vocabulary(chat)
+        extra = {"extra_special_tokens": CHAT_TOKENS} if chat else {}
+        assert len(train_bpe_tokenizer(texts=texts, vocab_size=smallest, **extra)) == smallest
+        assert len(train_bpe_tokenizer(texts=texts, vocab_size=10, **extra)) == smallest
+    assert (smallest_vocabulary(False), smallest_vocabulary(True)) == (260, 263)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA GPU the fused backends may run")
+def test_backend_this_machine_lacks_refused_before_work(tmp_path):
+    """--attn-implementation diff_flash / flash_attention_2 on a CPU: refused before the data is built (before: after
+    43 s, and then a second refusal once triton was installed), naming the backend that runs here."""
+    cases = [["train", "--attn-implementation", name, "--output", str(tmp_path / "runs" / name)]
+             for name in ("diff_flash", "flash_attention_2")]
+    triton = importlib.util.find_spec("triton") is not None
+    reasons = ["no CUDA GPU" if triton else "triton is not installed (",
+               "no CUDA GPU" if importlib.util.find_spec("flash_attn") else "the flash_attn package is not installed"]
+    for (code, err), arguments, reason in zip(run_cases(cases, tmp_path, unset=("TRITON_INTERPRET",)), cases, reasons):
+        line = err.strip().splitlines()[-1]
+        assert code == 2 and "training sequences" not in err, err[-3000:]
+        assert line.startswith(f"diff-transformer train: error: --attn-implementation {arguments[2]} cannot run on "
+                               f"this machine ({reason}"), line
+        assert line.endswith("; use --attn-implementation sdpa (see diff-transformer train --help)"), line
+    assert not (tmp_path / "runs").exists()
 
 
 def test_no_question_on_a_terminal(silently_wrong):

@@ -221,7 +221,7 @@ def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
         intermediate_size=int(args.hidden_size * 8 / 3) // 16 * 16,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        max_position_embeddings=max(args.block_size, 256),
+        max_position_embeddings=max(args.block_size or 0, 256),  # block_size: --data only
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -331,6 +331,9 @@ def run_train(args: argparse.Namespace) -> None:
     task, tokenizer, dataset = build_data(args)
     if args.prompt is not None:
         check_known_words(tokenizer, args.prompt, "--prompt")
+    if args.data is not None and len(tokenizer) < args.vocab_size:
+        print(f"the BPE tokenizer has {len(tokenizer)} entries, fewer than --vocab-size {args.vocab_size}: "
+              f"{args.data} has no more pairs to merge")
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
     print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
     set_threads(args.threads, model)
@@ -406,6 +409,17 @@ def prompt_tail(tokenizer, prompt: str, budget: int) -> str:
                      "lower --max-new-tokens")
 
 
+def most_new_tokens(context: int, length: int, truncate: bool) -> str:
+    """The hint of a --max-new-tokens that fills the context: the most that leave room for this `length`-token
+    prompt (one token of it with --truncate-prompt)."""
+    if truncate:
+        return f"use at most {context - 1} (--truncate-prompt keeps the prompt's last tokens)"
+    if length < context:
+        return f"use at most {context - length}: the prompt takes {length} of its tokens"
+    return (f"the prompt alone takes {length} tokens: shorten it, or pass --truncate-prompt and use at most "
+            f"{context - 1}")
+
+
 def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
     """--prompt when it and --max-new-tokens fit the model's context; its tail with --truncate-prompt (and one
     warning line); else ValueError with the numbers."""
@@ -413,10 +427,11 @@ def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
     if context is None:
         return args.prompt
     budget = context - args.max_new_tokens
+    length = prompt_length(tokenizer, args.prompt)
     if budget < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the context of "
-                         f"{args.model} ({context} tokens, max_position_embeddings); use at most {context - 1}")
-    length = prompt_length(tokenizer, args.prompt)
+                         f"{args.model} ({context} tokens, max_position_embeddings); "
+                         f"{most_new_tokens(context, length, args.truncate_prompt)}")
     if length <= budget:
         return args.prompt
     if not args.truncate_prompt:

@@ -231,7 +231,7 @@ def check_remote_loading(model_dir: Path, label: Path) -> str:
     if "REMOTE_OK" not in result.stdout:
         raise UploadError(f"{label} would not load with trust_remote_code=True (left unchanged):\n"
                           f"{result.stderr[-3000:]}")
-    return result.stdout.strip().splitlines()[-1]
+    return f"it loads with trust_remote_code=True as {result.stdout.split()[-1]}"  # the class, not the module path
 
 
 def require_token() -> str:
