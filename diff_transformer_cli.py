@@ -102,6 +102,12 @@ def positive_float(text: str) -> float:
     return float(text)
 
 
+def non_negative_float(text: str) -> float:
+    if not as_float(text) >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return float(text)
+
+
 def percent(text: str) -> float:
     if not 0 <= as_float(text) <= 100:
         raise argparse.ArgumentTypeError(f"{text!r} must be a percentage between 0 and 100")
@@ -186,12 +192,27 @@ def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(f"--output {args.output}: {problem}; choose another --output")
 
 
+def check_checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """train's --resume needs a checkpoint in --output; checkpoints there without it need --overwrite (a new run).
+    Whether --output holds checkpoints."""
+    found = folders.checkpoints(args.output) if Path(args.output).is_dir() else []
+    if args.resume and not found:
+        parser.error(f"--resume: --output {args.output} holds no checkpoint (checkpoint-STEP folder) to continue "
+                     "from; drop --resume to start a new run")
+    if found and not args.resume and not args.overwrite:
+        parser.error(f"--output {args.output} holds checkpoints of an unfinished run (the last: {found[-1].name}); "
+                     "pass --resume to continue it, or --overwrite to start a new run")
+    return bool(found)
+
+
 def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """train's --output: writable, and not a saved model unless --overwrite."""
+    """train's --output: writable, not a saved model unless --overwrite, and with a checkpoint for --resume."""
     problem = unwritable(Path(args.output))
     if problem:
         parser.error(f"--output {args.output}: {problem}; choose another --output")
     output = Path(args.output)
+    if check_checkpoints(args, parser) and not (output / "config.json").is_file():
+        return
     if (output / "config.json").is_file():
         if not args.overwrite:
             parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
@@ -336,7 +357,19 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--max-new-tokens", type=positive_int,
                         help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the saved model in --output (refused without it)")
+                        help="replace the saved model in --output (refused without it), or start a new run where "
+                             "--output holds checkpoints")
+    parser.add_argument("--save-steps", type=positive_int,
+                        help="save a checkpoint (weights, optimizer, scheduler, RNG, data position) into "
+                             "--output/checkpoint-STEP every N steps (default: only on Ctrl-C or SIGTERM); the "
+                             "finished model replaces them")
+    parser.add_argument("--save-total-limit", type=positive_int, default=2,
+                        help="checkpoints to keep; older ones are deleted")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --output (give the run's other options again)")
+    parser.add_argument("--progress-seconds", type=non_negative_float, default=60,
+                        help="off a terminal, print a loss line at least this often (besides each quarter of the "
+                             "run); 0: at every log")
     parser.set_defaults(check=check_train_args)
     return parser
 

@@ -466,6 +466,13 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                                       "--max-new-tokens 100000 leaves no room for a prompt in the context of "
                                       "{d}/model (256 tokens, max_position_embeddings); use at most 249: the prompt "
                                       "takes 7 of its tokens", None),
+    "resume-without-checkpoint": (["train", "--resume", "--output", "{d}/runs/none"],
+                                  "--resume: --output {d}/runs/none holds no checkpoint (checkpoint-STEP folder) to "
+                                  "continue from; drop --resume to start a new run", "runs"),
+    "checkpoints-without-resume": (["train", "--output", "{d}/unfinished"],
+                                   "--output {d}/unfinished holds checkpoints of an unfinished run (the last: "
+                                   "checkpoint-12); pass --resume to continue it, or --overwrite to start a new run",
+                                   None),
 }
 
 
@@ -480,6 +487,8 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
     (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
+    for step in (3, 12):  # by step, not by name
+        (root / "unfinished" / f"checkpoint-{step}").mkdir(parents=True)
     cases = [[a.format(d=root) for a in arguments] for arguments, _, _ in SILENTLY_WRONG.values()]
     return root, dict(zip(SILENTLY_WRONG, run_cases(cases, root)))
 
@@ -574,10 +583,13 @@ def slow_disk(tmp_path):
     return limit
 
 
+def cli_process_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def cli_process(arguments: list[str], cwd: Path, **options) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=cli_process_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **options)
 
@@ -594,31 +606,76 @@ def test_failed_save_leaves_nothing(tmp_path, slow_disk):
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
 
 
-def test_sigterm_during_training(tmp_path):
-    """`kill -TERM` mid-training: handled as Ctrl-C (one line, exit 143 = 128 + SIGTERM, nothing saved, the folders
-    made for the run removed); off a terminal, progress comes as plain lines, not a redrawn bar."""
-    process = cli_process(["train", "--max-steps", "100000", "--examples", "256", "--output", "runs/made/here"],
-                          tmp_path)
+def wait_for_line(process: subprocess.Popen, chunks: list[str], pattern: str, timeout: float = 300) -> None:
+    """Until the child's output (read into `chunks` by a `read_stream` thread) has a line matching `pattern`."""
+    deadline = time.monotonic() + timeout  # a loaded 2-core machine takes a minute or more to import torch
+    while not re.search(pattern, "".join(chunks), flags=re.MULTILINE):
+        assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
+        time.sleep(0.1)
+
+
+def interrupted_run(arguments: list[str], cwd: Path, after: str, signum: int) -> tuple[int, str]:
+    """Exit status and output of `arguments`, sent `signum` once a line matches `after`."""
+    process = cli_process(arguments, cwd)
     chunks: list[str] = []
     reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 300  # a loaded 2-core machine takes a minute or more to import torch
     try:
-        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
-            time.sleep(0.2)
-        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+        wait_for_line(process, chunks, after)
+        process.send_signal(signum)
+        process.wait(timeout=120)
     finally:
         process.kill()
     reader.join(timeout=10)
-    err = "".join(chunks)
-    assert process.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and "\r" not in err, err[-3000:]
-    assert re.search(r"\ndiff-transformer train: terminated \(SIGTERM\) at step \d+ of 100000; nothing saved\n$",
-                     err), err[-3000:]
-    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+    return process.returncode, "".join(chunks)
+
+
+def logged_losses(output: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+: loss (\d+\.\d+)$", output,
+                                                                  flags=re.MULTILINE)}
+
+
+# A run of 200 steps that logs every 10 (Trainer's logging_steps for it) and prints every log (--progress-seconds 0),
+# checkpointing every 5 steps and keeping the last 2.
+RESUMABLE = ["train", "--max-steps", "200", "--examples", "8000", "--seed", "1", "--progress-seconds", "0",
+             "--save-steps", "5", "--save-total-limit", "2"]
+# The resumed run's losses equal the uninterrupted run's to the 4 printed decimals (measured: no difference at any
+# step); the bound allows 2 units of the last printed digit, for rounding on another CPU.
+RESUME_TOLERANCE = 2e-4
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path, capsys):
+    """`kill -TERM` mid-training: the step finishes, a checkpoint of it is saved (with the last --save-total-limit
+    of the --save-steps ones), one line says where and how to continue (exit 143 = 128 + SIGTERM), and no model
+    folder is written. `--resume` then continues with the same data order, optimizer, scheduler and RNG: each loss
+    it logs equals the uninterrupted run's at the same step. Off a terminal progress comes as plain lines at every
+    log with --progress-seconds 0 (before: one per quarter of the run, and nothing saved on a stop)."""
+    main([*RESUMABLE, "--output", str(tmp_path / "runs" / "full")])
+    full = logged_losses(capsys.readouterr().out)
+    assert sorted(full) == list(range(10, 201, 10)), full
+
+    code, output = interrupted_run([*RESUMABLE, "--output", "runs/r"], tmp_path, r"^step 20/200: loss", signal.SIGTERM)
+    assert code == 143 and "Traceback" not in output and "\r" not in output, output[-3000:]
+    stopped = re.search(r"\ndiff-transformer train: terminated \(SIGTERM\) at step (\d+) of 200; saved "
+                        r"runs/r/checkpoint-(\d+): run the same command with --resume to continue from it\n$", output)
+    assert stopped and stopped[1] == stopped[2], output[-3000:]
+    step = int(stopped[1])
+    kept = sorted({*range(5, step + 1, 5), step})[-2:]  # --save-steps 5, --save-total-limit 2, and the stop's
+    assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir()) == [f"checkpoint-{k}" for k in kept]
+
+    resumed = subprocess.run([sys.executable, "-m", "diff_transformer_cli", *RESUMABLE, "--output", "runs/r",
+                              "--resume"], cwd=tmp_path, env=cli_process_env(), stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"trained steps {step + 1}-200 in " in resumed.stdout, resumed.stdout
+    after = logged_losses(resumed.stdout)
+    assert sorted(after) == [s for s in range(10, 201, 10) if s > step], after
+    whole_windows = [s for s in after if s - 10 >= step]  # logs whose 10 steps all ran after the checkpoint
+    differences = {s: abs(after[s] - full[s]) for s in whole_windows}
+    assert max(differences.values()) <= RESUME_TOLERANCE, differences
+    folder = tmp_path / "runs" / "r"
+    assert (folder / "config.json").is_file() and not list(folder.glob("checkpoint-*")), sorted(folder.iterdir())
+    assert json.loads((folder / "training_args.json").read_text())["resumed_from_step"] == step
 
 
 def test_saved_folder_serves_generate_defaults(trained):
@@ -678,31 +735,17 @@ def read_stream(stream, chunks: list[str]) -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_during_training(tmp_path):
-    """A real SIGINT once training logs steps: one line, exit 130, no folder left behind."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "diff_transformer_cli", "train", "--max-steps", "100000", "--examples",
-               "256", "--seed", "0", "--output", "runs/made/here"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    chunks: list[str] = []
-    reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 180
-    try:
-        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
-            time.sleep(0.2)
-        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        process.kill()
-    reader.join(timeout=10)
-    err = "".join(chunks)
-    assert process.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and re.search(
-        r"\ndiff-transformer train: interrupted at step \d+ of 100000; nothing saved\n$", err), err[-3000:]
-    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+    """A real SIGINT once training logs steps: one line, exit 130, a checkpoint to resume from and no model folder;
+    a second SIGINT while the step finishes stops at once."""
+    arguments = ["train", "--max-steps", "100000", "--examples", "256", "--seed", "0", "--output", "runs/made/here"]
+    code, output = interrupted_run(arguments, tmp_path, r"step \d+/100000: loss", signal.SIGINT)
+    assert code == 130 and "Traceback" not in output, output[-3000:]
+    stopped = re.search(r"\ndiff-transformer train: interrupted at step (\d+) of 100000; saved "
+                        r"runs/made/here/checkpoint-(\d+): run the same command with --resume", output)
+    assert stopped and stopped[1] == stopped[2], output[-3000:]
+    folder = tmp_path / "runs" / "made" / "here"
+    assert [p.name for p in folder.iterdir()] == [f"checkpoint-{stopped[1]}"], "no model folder, no staging folder"
+    assert not list(folder.parent.glob(".here.incomplete-*"))
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ importing torch or transformers (see `diff_transformer_cli.load_torch_free`)."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 # A folder holds a tokenizer when it has one of these (tokenizer_config.json alone holds settings, not a vocabulary):
@@ -18,6 +19,7 @@ TOKENIZER_FILES = (
 # Files Python's pickle writes (weights of old checkpoints, Trainer's training_args.bin, optimizer states): loading
 # one runs code its author chose, so a model's weights must be safetensors.
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the folders Trainer saves its checkpoints in, by step
 
 
 class FolderError(ValueError):
@@ -57,6 +59,16 @@ def read_json(path: str | os.PathLike) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings")
     return value
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(CHECKPOINT.fullmatch(path.name)[1])
+
+
+def checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """Trainer's checkpoint folders in `folder` (checkpoint-STEP), by step."""
+    found = [path for path in Path(folder).glob("checkpoint-*") if CHECKPOINT.fullmatch(path.name) and path.is_dir()]
+    return sorted(found, key=checkpoint_step)
 
 
 def missing_folder(folder: str | os.PathLike) -> str | None:

@@ -123,9 +123,18 @@ def train_command_details(record: dict) -> str:
     rows = [f"| `--{name.replace('_', '-')}` | `{value}` |" for name, value in options.items() if value is not None]
     return "\n".join([
         f"Trained with `{record.get('command', 'diff-transformer train')}` on {source}: {record.get('steps', '?')} "
-        f"optimizer steps, mean training loss {record.get('mean_training_loss', float('nan')):.4f}.",
+        f"optimizer steps, mean training loss {record.get('mean_training_loss', float('nan')):.4f}"
+        f"{resumed_note(record)}.",
         "", "| option | value |", "| --- | --- |", *rows,
     ])
+
+
+def resumed_note(record: dict) -> str:
+    """Which steps the mean loss covers, where the run was resumed from a checkpoint."""
+    start = record.get("resumed_from_step")
+    if not start:
+        return ""
+    return f" (of steps {start + 1}-{record.get('steps', '?')}: resumed from the checkpoint of step {start})"
 
 
 def trainer_state_details(state: dict) -> str:
