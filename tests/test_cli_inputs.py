@@ -684,7 +684,7 @@ def test_saved_folder_serves_generate_defaults(trained):
     generation = json.loads((trained / "generation_config.json").read_text())
     config = json.loads((trained / "config.json").read_text())
     expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-                "max_length": config["max_position_embeddings"]}
+                "max_new_tokens": config["max_position_embeddings"] // 2}
     assert {key: generation.get(key) for key in expected} == expected, generation
     assert not (trained / "training_args.bin").exists(), sorted(p.name for p in trained.iterdir())
     tokenizer = AutoTokenizer.from_pretrained(trained)

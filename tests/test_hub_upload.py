@@ -76,7 +76,7 @@ def test_dry_run_writes_code_and_auto_map(prepared):
 def test_dry_run_writes_generation_defaults(prepared):
     folder = prepared[0]
     generation = json.loads((folder / "generation_config.json").read_text())
-    expected = {"bos_token_id": 1, "pad_token_id": 0, "max_length": CONTEXT}  # tiny_config has no eos
+    expected = {"bos_token_id": 1, "pad_token_id": 0, "max_new_tokens": CONTEXT // 2}  # tiny_config has no eos
     assert {key: generation.get(key) for key in expected} == expected, generation
 
 

@@ -36,6 +36,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
+from ..folder_defaults import generation_defaults
 from .callbacks import NonFiniteStopCallback
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
 from .folders import checkpoint_step, checkpoints, nearest_existing
@@ -125,10 +126,12 @@ def named_load_errors(folder: str) -> Iterator[None]:
 
 
 def load_checked_model(folder: str, **options) -> torch.nn.Module:
-    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked."""
+    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked, and the generation defaults
+    of a folder saved now (an older folder's length setting warned on every call passing max_new_tokens)."""
     with named_load_errors(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     check_finite_weights(model, folder)
+    generation_defaults(model.generation_config, model.config)
     return model
 
 
@@ -295,7 +298,7 @@ def build_data(args: argparse.Namespace):
 
 def training_generation_config(tokenizer) -> GenerationConfig:
     """The tokenizer's special tokens, and no length of this run's (its closing demo passes max_new_tokens):
-    `save_pretrained` bounds generation by the model's context (`folder_defaults.generation_defaults`)."""
+    `save_pretrained` adds the folder's default length (`folder_defaults.generation_defaults`)."""
     return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -453,7 +456,6 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool
     assistant's reply."""
     tokenizer = tokenizer or load_tokenizer(model_dir)
     generator = pipeline("text-generation", model=model or load_checked_model(model_dir), tokenizer=tokenizer)
-    generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
     chat = tokenizer.chat_template is not None
     inputs = [{"role": "user", "content": prompt}] if chat else prompt
     # explicit: transformers 5.17's pipeline cleans up spaces by default ("k9 ? ?" -> "k9??"), newer ones do not

@@ -185,7 +185,7 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
         model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
         generator = pipeline("text-generation", model="{repo}", trust_remote_code=True)
-        generator("Hello")  # generation_config.json: at most {max_length} tokens, prompt included
+        generator("Hello")  # generation_config.json: at most {max_new_tokens} new tokens (max_new_tokens=N sets it)
         ```
 
         LoRA without naming targets (the model code registers them with PEFT: q/k/v/o and gate/up/down projections):
@@ -212,7 +212,7 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         """)
     text = body.format(
         name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir),
-        max_length=generation.max_length,
+        max_new_tokens=generation.max_new_tokens,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
