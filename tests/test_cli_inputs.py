@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import saved_folders, tiny_config
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from safetensors.torch import load_file, save_file
 
@@ -466,6 +467,11 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                                       "--max-new-tokens 100000 leaves no room for a prompt in the context of "
                                       "{d}/model (256 tokens, max_position_embeddings); use at most 249: the prompt "
                                       "takes 7 of its tokens", None),
+    "adapter-only": (["generate", "{d}/adapter", "--prompt", PROMPT],
+                     "argument model: {d}/adapter holds a PEFT adapter (adapter_config.json), not a model; merge it "
+                     "into its base model ({d}/model) and save the result with its tokenizer: PeftModel.from_pretrained("
+                     "AutoModelForCausalLM.from_pretrained('{d}/model'), '{d}/adapter').merge_and_unload()."
+                     "save_pretrained(OUT), then tokenizer.save_pretrained(OUT)", None),
     "resume-without-checkpoint": (["train", "--resume", "--output", "{d}/runs/none"],
                                   "--resume: --output {d}/runs/none holds no checkpoint (checkpoint-STEP folder) to "
                                   "continue from; drop --resume to start a new run", "runs"),
@@ -487,6 +493,8 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
     (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
+    lora = get_peft_model(DiffForCausalLM.from_pretrained(root / "model"), LoraConfig(r=2))
+    lora.save_pretrained(root / "adapter")  # the adapter only, with the base model's path
     for step in (3, 12):  # by step, not by name
         (root / "unfinished" / f"checkpoint-{step}").mkdir(parents=True)
     cases = [[a.format(d=root) for a in arguments] for arguments, _, _ in SILENTLY_WRONG.values()]
@@ -508,6 +516,24 @@ def test_silently_wrong_refused(silently_wrong, name):
     if written is not None:
         assert not (root / written).exists(), list((root / written).rglob("*"))
     assert not list(root.glob(".*incomplete*")), "a staging folder was left behind"
+
+
+def test_one_line_for_weights_of_the_wrong_shape(silently_wrong):
+    """Weights that do not fit config.json: the one line only (before: after transformers' load report, seven lines
+    with colour codes)."""
+    code, err = silently_wrong[1]["wrong-shape"]
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "\x1b[" not in err, err
+
+
+def test_adapter_hint_makes_a_model(silently_wrong, tmp_path, capsys):
+    """The refusal of an adapter-only folder names the calls that make a model of it; made so, it generates."""
+    root, _ = silently_wrong
+    merged = tmp_path / "merged"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model"), root / "adapter") \
+        .merge_and_unload().save_pretrained(merged)
+    AutoTokenizer.from_pretrained(root / "model").save_pretrained(merged)
+    main(["generate", str(merged), "--prompt", PROMPT, "--max-new-tokens", "2"])
+    assert capsys.readouterr().out.split("generated: ", 1)[1].startswith(PROMPT)
 
 
 def test_max_new_tokens_hint_is_the_most_that_fits(silently_wrong, capsys):

@@ -111,25 +111,20 @@ def check_finite_weights(model: torch.nn.Module, what: str) -> None:
                          "damaged: use an earlier checkpoint, or train again with a lower learning rate")
 
 
-@contextmanager
-def named_load_errors(folder: str) -> Iterator[None]:
-    """transformers' error for weights of the wrong shape names neither the tensor nor the shapes (they are in a log
-    report): a `ValueError` with both instead."""
-    try:
-        yield
-    except RuntimeError as error:
-        mismatched = mismatched_shapes(folder, load_config(folder))
-        if not mismatched:
-            raise
+def check_weight_shapes(folder: str) -> None:
+    """`ValueError` naming the weights of `folder` whose shape does not fit its config.json, checked before loading:
+    transformers' own answer is a multi-line load report, then an error that names neither tensor nor shapes."""
+    mismatched = mismatched_shapes(folder, load_config(folder))
+    if mismatched:
         raise ValueError(f"the weights in {folder} do not fit its config.json: {'; '.join(mismatched[:3])}; they come "
-                         "from another model: save the model and its config again together") from error
+                         "from another model: save the model and its config again together")
 
 
 def load_checked_model(folder: str, **options) -> torch.nn.Module:
     """AutoModelForCausalLM from a folder, with the weights' shapes and values checked, and the generation defaults
     of a folder saved now (an older folder's length setting warned on every call passing max_new_tokens)."""
-    with named_load_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
+    check_weight_shapes(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     check_finite_weights(model, folder)
     generation_defaults(model.generation_config, model.config)
     return model

@@ -84,12 +84,26 @@ def missing_folder(folder: str | os.PathLike) -> str | None:
     return f"no such folder: {folder} ({existing} is a file)"
 
 
+def adapter_only(folder: str | os.PathLike) -> str:
+    """What to do with a folder `peft_model.save_pretrained` wrote: the adapter, without the model it adapts."""
+    try:
+        base = read_json(Path(folder) / "adapter_config.json").get("base_model_name_or_path") or "BASE"
+    except ValueError:
+        base = "BASE"
+    return (f"{folder} holds a PEFT adapter (adapter_config.json), not a model; merge it into its base model "
+            f"({base}) and save the result with its tokenizer: PeftModel.from_pretrained(AutoModelForCausalLM."
+            f"from_pretrained({base!r}), {str(folder)!r}).merge_and_unload().save_pretrained(OUT), then "
+            "tokenizer.save_pretrained(OUT)")
+
+
 def read_config(folder: str | os.PathLike) -> dict:
     """The settings in `folder`/config.json; `FolderError` when the folder, its config.json, or a JSON object in it
     is missing."""
     if problem := missing_folder(folder):
         raise FolderError(problem)
     if not (Path(folder) / "config.json").is_file():
+        if (Path(folder) / "adapter_config.json").is_file():
+            raise FolderError(adapter_only(folder))
         raise FolderError(f"{folder} has no config.json, so it is no saved model folder; "
                           f"model.save_pretrained({str(folder)!r}) writes one")
     try:
