@@ -469,8 +469,9 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                                       "takes 7 of its tokens", None),
     "adapter-only": (["generate", "{d}/adapter", "--prompt", PROMPT],
                      "argument model: {d}/adapter holds a PEFT adapter (adapter_config.json), not a model; merge it "
-                     "into its base model ({d}/model) and save the result with its tokenizer: PeftModel.from_pretrained("
-                     "AutoModelForCausalLM.from_pretrained('{d}/model'), '{d}/adapter').merge_and_unload()."
+                     "into its base model ({d}/model) and save the result with its tokenizer: "
+                     "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{d}/model'), "
+                     "'{d}/adapter').merge_and_unload()."
                      "save_pretrained(OUT), then tokenizer.save_pretrained(OUT)", None),
     "resume-without-checkpoint": (["train", "--resume", "--output", "{d}/runs/none"],
                                   "--resume: --output {d}/runs/none holds no checkpoint (checkpoint-STEP folder) to "
