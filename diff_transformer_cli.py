@@ -102,6 +102,12 @@ def positive_float(text: str) -> float:
     return float(text)
 
 
+def non_negative_float(text: str) -> float:
+    if not as_float(text) >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return float(text)
+
+
 def percent(text: str) -> float:
     if not 0 <= as_float(text) <= 100:
         raise argparse.ArgumentTypeError(f"{text!r} must be a percentage between 0 and 100")
@@ -186,12 +192,27 @@ def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(f"--output {args.output}: {problem}; choose another --output")
 
 
+def check_checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """train's --resume needs a checkpoint in --output; checkpoints there without it need --overwrite (a new run).
+    Whether --output holds checkpoints."""
+    found = folders.checkpoints(args.output) if Path(args.output).is_dir() else []
+    if args.resume and not found:
+        parser.error(f"--resume: --output {args.output} holds no checkpoint (checkpoint-STEP folder) to continue "
+                     "from; drop --resume to start a new run")
+    if found and not args.resume and not args.overwrite:
+        parser.error(f"--output {args.output} holds checkpoints of an unfinished run (the last: {found[-1].name}); "
+                     "pass --resume to continue it, or --overwrite to start a new run")
+    return bool(found)
+
+
 def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """train's --output: writable, and not a saved model unless --overwrite."""
+    """train's --output: writable, not a saved model unless --overwrite, and with a checkpoint for --resume."""
     problem = unwritable(Path(args.output))
     if problem:
         parser.error(f"--output {args.output}: {problem}; choose another --output")
     output = Path(args.output)
+    if check_checkpoints(args, parser) and not (output / "config.json").is_file():
+        return
     if (output / "config.json").is_file():
         if not args.overwrite:
             parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
@@ -223,16 +244,70 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
+# train options that apply to one kind of data only: name -> (default, whether it applies to --data). Their parser
+# default is None, so that one given for the other kind is refused rather than silently ignored.
+DATA_SPECIFIC = {"block_size": (128, True), "vocab_size": (2048, True), "examples": (100_000, False),
+                 "pairs": (2, False), "keys": (16, False)}
+BYTE_ALPHABET = 256  # a byte-level BPE vocabulary holds every byte before any merge
+
+
+def fill_data_specific(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The defaults of `DATA_SPECIFIC` for the data in use; an option given for the other kind is refused."""
+    for name, (default, for_text) in DATA_SPECIFIC.items():
+        option = f"--{name.replace('_', '-')}"
+        if for_text != (args.data is not None) and getattr(args, name) is not None:
+            scope = ("--data (the built-in task sets its own sequences and vocabulary)" if for_text else
+                     "the built-in task (--data trains on the file's text)")
+            parser.error(f"{option} applies to {scope} only; drop {option}")
+        if for_text == (args.data is not None) and getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def smallest_vocabulary(chat_template: bool) -> int:
+    """Entries of a byte-level BPE tokenizer before any merge: the bytes and the special (and chat) tokens."""
+    from diff_transformer.tokenization_diff import CHAT_TOKENS, SPECIAL_TOKENS
+
+    return BYTE_ALPHABET + len(SPECIAL_TOKENS) + (len(CHAT_TOKENS) if chat_template else 0)
+
+
+def backend_problem(name: str) -> str | None:
+    """Why attention backend `name` cannot run on this machine, or None. Checked before any work: the model would
+    refuse it only once built, after the data."""
+    if name == "diff_flash":
+        from diff_transformer.attention_kernels import triton_available
+
+        ok, reason = triton_available()
+        return None if ok else reason.partition("; ")[0]
+    if name == "flash_attention_2":
+        import torch
+
+        if importlib.util.find_spec("flash_attn") is None:
+            return "the flash_attn package is not installed"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU"
+    return None
+
+
 def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    fill_data_specific(args, parser)
     if args.hidden_size % (2 * args.heads):
         parser.error(f"--hidden-size ({args.hidden_size}) must be a multiple of 2 * --heads ({2 * args.heads}): "
                      "each head has two query/key sub-heads of hidden / (2 heads) dims")
     if args.data is None and args.pairs > args.keys:
         parser.error(f"--pairs ({args.pairs}) cannot exceed --keys ({args.keys}): each pair uses a distinct key")
+    if args.data is not None and args.block_size < 2:
+        parser.error(f"--block-size {args.block_size} leaves no room for text: a block is <s> and --block-size - 1 "
+                     "tokens of the file; use --block-size 2 or more")
     size = 0 if args.data is None else Path(args.data).stat().st_size
     if args.data is not None and size < args.block_size - 1:  # a token spells at least one byte
         parser.error(f"--data {args.data} has {size} bytes, fewer than the {args.block_size - 1} tokens of text in "
                      f"one block of --block-size {args.block_size}; give a longer file or --block-size {size + 1}")
+    if args.data is not None and args.vocab_size < (smallest := smallest_vocabulary(args.chat_template)):
+        parser.error(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's fixed entries ({BYTE_ALPHABET} "
+                     f"bytes and {smallest - BYTE_ALPHABET} special tokens); use --vocab-size {smallest} or more")
+    if problem := backend_problem(args.attn_implementation):
+        parser.error(f"--attn-implementation {args.attn_implementation} cannot run on this machine ({problem}); use "
+                     "--attn-implementation sdpa")
     check_output_folder(args, parser)
 
 
@@ -262,13 +337,14 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
     parser.add_argument("--heads", type=positive_int, default=4,
                         help="differential heads h; head_dim = hidden-size / (2h)")
-    parser.add_argument("--block-size", type=positive_int, default=128, help="sequence length for --data")
-    parser.add_argument("--vocab-size", type=positive_int, default=2048, help="BPE vocabulary size for --data")
-    parser.add_argument("--examples", type=positive_int, default=100_000, help="synthetic training sequences")
-    parser.add_argument("--pairs", type=positive_int, default=2,
-                        help="key/value pairs per synthetic sequence")
-    parser.add_argument("--keys", type=positive_int, default=16,
-                        help="distinct keys (and values) of the synthetic task")
+    parser.add_argument("--block-size", type=positive_int,
+                        help="sequence length for --data, and the model's context if above 256 (default: 128)")
+    parser.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size for --data (default: 2048)")
+    parser.add_argument("--examples", type=positive_int,
+                        help="synthetic training sequences of the built-in task (default: 100000)")
+    parser.add_argument("--pairs", type=positive_int, help="key/value pairs per synthetic sequence (default: 2)")
+    parser.add_argument("--keys", type=positive_int, help="distinct keys (and values) of the synthetic task "
+                                                          "(default: 16)")
     parser.add_argument("--attn-implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
                         help="attention backend (docs/backends.md); diff_flash needs CUDA and triton")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (also on CPU)")
@@ -281,7 +357,19 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--max-new-tokens", type=positive_int,
                         help="tokens of the closing generation (default: the expected answer's, or 8 on --data)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the saved model in --output (refused without it)")
+                        help="replace the saved model in --output (refused without it), or start a new run where "
+                             "--output holds checkpoints")
+    parser.add_argument("--save-steps", type=positive_int,
+                        help="save a checkpoint (weights, optimizer, scheduler, RNG, data position) into "
+                             "--output/checkpoint-STEP every N steps (default: only on Ctrl-C or SIGTERM); the "
+                             "finished model replaces them")
+    parser.add_argument("--save-total-limit", type=positive_int, default=2,
+                        help="checkpoints to keep; older ones are deleted")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --output (give the run's other options again)")
+    parser.add_argument("--progress-seconds", type=non_negative_float, default=60,
+                        help="off a terminal, print a loss line at least this often (besides each quarter of the "
+                             "run); 0: at every log")
     parser.set_defaults(check=check_train_args)
     return parser
 

@@ -25,13 +25,17 @@ AUTO_MODEL_CLASSES = {
 
 
 def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) -> GenerationConfig:
-    """In place: the model config's special token ids where unset, and `max_length = max_position_embeddings` where no
-    length is set (`pipeline` would otherwise add 256 new tokens, past a small model's context)."""
+    """In place: the model config's special token ids where unset, and `max_new_tokens` = half the context where no
+    length is set, or where `max_length` is the context (as older folders saved it). generate() without a length is
+    then not cut at transformers' 20 tokens (`pipeline` would add 256, past a small model's context), a prompt of up
+    to half the context stays within it, and a call passing `max_new_tokens` gets no warning about a second length
+    (a saved `max_length` gave one on every such call)."""
     for name in SPECIAL_IDS:
         if getattr(generation, name) is None:
             setattr(generation, name, getattr(config, name, None))
-    if generation.max_length is None and generation.max_new_tokens is None:
-        generation.max_length = config.max_position_embeddings
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and generation.max_new_tokens is None and generation.max_length in (None, context):
+        generation.max_length, generation.max_new_tokens = None, context // 2
     return generation
 
 

@@ -9,6 +9,7 @@ answer without importing torch. Also what `train` leaves behind: nothing on Ctrl
 whose files share one mode, with its training settings recorded for the model card. (The commands' work:
 test_cli.py.)"""
 
+import importlib.util
 import json
 import os
 import pty
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import saved_folders, tiny_config
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from safetensors.torch import load_file, save_file
 
@@ -368,10 +370,12 @@ PROMPT = "k3 v7 k9 v2 ? k9"
 
 
 def run_cases(cases: list[list[str]], folder: Path, root: Path = ROOT, timeout: int = 400,
-              stdin: int = subprocess.DEVNULL) -> list[tuple[int, str]]:
-    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with)."""
+              stdin: int = subprocess.DEVNULL, unset: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with),
+    without the environment variables `unset`."""
     (folder / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in unset}, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", RUN_CASES, "cases.json", "results.json"], cwd=folder, env=env,
                             stdin=stdin, capture_output=True, text=True, timeout=timeout)
     assert (folder / "results.json").is_file(), result.stderr[-3000:]
@@ -444,6 +448,38 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
     "short-data": (["train", "--data", "{d}/short.txt", "--output", "{d}/runs/short"],
                    "--data {d}/short.txt has 12 bytes, fewer than the 127 tokens of text in one block of --block-size "
                    "128; give a longer file or --block-size 13", "runs"),
+    "block-size-without-data": (["train", "--max-steps", "5", "--block-size", "100000", "--output", "{d}/runs/bs"],
+                                "--block-size applies to --data (the built-in task sets its own sequences and "
+                                "vocabulary) only; drop --block-size", "runs"),
+    "examples-with-data": (["train", "--data", "{d}/corpus.txt", "--examples", "10", "--output", "{d}/runs/ex"],
+                           "--examples applies to the built-in task (--data trains on the file's text) only; drop "
+                           "--examples", "runs"),
+    "tiny-vocabulary": (["train", "--data", "{d}/corpus.txt", "--vocab-size", "10", "--output", "{d}/runs/vocab"],
+                        "--vocab-size 10 is smaller than the tokenizer's fixed entries (256 bytes and 4 special "
+                        "tokens); use --vocab-size 260 or more", "runs"),
+    "tiny-chat-vocabulary": (["train", "--data", "{d}/corpus.txt", "--vocab-size", "262", "--chat-template",
+                              "--output", "{d}/runs/chat"],
+                             "(256 bytes and 7 special tokens); use --vocab-size 263 or more", "runs"),
+    "block-size-one": (["train", "--data", "{d}/corpus.txt", "--block-size", "1", "--output", "{d}/runs/one"],
+                       "--block-size 1 leaves no room for text: a block is <s> and --block-size - 1 tokens of the "
+                       "file; use --block-size 2 or more", "runs"),
+    "max-new-tokens-beyond-context": (["generate", "{d}/model", "--prompt", PROMPT, "--max-new-tokens", "100000"],
+                                      "--max-new-tokens 100000 leaves no room for a prompt in the context of "
+                                      "{d}/model (256 tokens, max_position_embeddings); use at most 249: the prompt "
+                                      "takes 7 of its tokens", None),
+    "adapter-only": (["generate", "{d}/adapter", "--prompt", PROMPT],
+                     "argument model: {d}/adapter holds a PEFT adapter (adapter_config.json), not a model; merge it "
+                     "into its base model ({d}/model) and save the result with its tokenizer: "
+                     "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{d}/model'), "
+                     "'{d}/adapter').merge_and_unload()."
+                     "save_pretrained(OUT), then tokenizer.save_pretrained(OUT)", None),
+    "resume-without-checkpoint": (["train", "--resume", "--output", "{d}/runs/none"],
+                                  "--resume: --output {d}/runs/none holds no checkpoint (checkpoint-STEP folder) to "
+                                  "continue from; drop --resume to start a new run", "runs"),
+    "checkpoints-without-resume": (["train", "--output", "{d}/unfinished"],
+                                   "--output {d}/unfinished holds checkpoints of an unfinished run (the last: "
+                                   "checkpoint-12); pass --resume to continue it, or --overwrite to start a new run",
+                                   None),
 }
 
 
@@ -457,6 +493,11 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "empty.txt").write_text("")
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
+    (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
+    lora = get_peft_model(DiffForCausalLM.from_pretrained(root / "model"), LoraConfig(r=2))
+    lora.save_pretrained(root / "adapter")  # the adapter only, with the base model's path
+    for step in (3, 12):  # by step, not by name
+        (root / "unfinished" / f"checkpoint-{step}").mkdir(parents=True)
     cases = [[a.format(d=root) for a in arguments] for arguments, _, _ in SILENTLY_WRONG.values()]
     return root, dict(zip(SILENTLY_WRONG, run_cases(cases, root)))
 
@@ -476,6 +517,68 @@ def test_silently_wrong_refused(silently_wrong, name):
     if written is not None:
         assert not (root / written).exists(), list((root / written).rglob("*"))
     assert not list(root.glob(".*incomplete*")), "a staging folder was left behind"
+
+
+def test_one_line_for_weights_of_the_wrong_shape(silently_wrong):
+    """Weights that do not fit config.json: the one line only (before: after transformers' load report, seven lines
+    with colour codes)."""
+    code, err = silently_wrong[1]["wrong-shape"]
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "\x1b[" not in err, err
+
+
+def test_adapter_hint_makes_a_model(silently_wrong, tmp_path, capsys):
+    """The refusal of an adapter-only folder names the calls that make a model of it; made so, it generates."""
+    root, _ = silently_wrong
+    merged = tmp_path / "merged"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model"), root / "adapter") \
+        .merge_and_unload().save_pretrained(merged)
+    AutoTokenizer.from_pretrained(root / "model").save_pretrained(merged)
+    main(["generate", str(merged), "--prompt", PROMPT, "--max-new-tokens", "2"])
+    assert capsys.readouterr().out.split("generated: ", 1)[1].startswith(PROMPT)
+
+
+def test_max_new_tokens_hint_is_the_most_that_fits(silently_wrong, capsys):
+    """`generate --max-new-tokens 100000` names the most that fit with the prompt counted (before: the context less
+    one, which a second refusal then answered); that number generates, one more is refused."""
+    root, results = silently_wrong
+    most = int(re.search(r"use at most (\d+): ", results["max-new-tokens-beyond-context"][1])[1])
+    line = answer(["generate", str(root / "model"), "--prompt", PROMPT, "--max-new-tokens", str(most + 1)], capsys)
+    assert f"the prompt is 7 tokens, and with --max-new-tokens {most + 1} needs 257, more than the context" in line
+    main(["generate", str(root / "model"), "--prompt", PROMPT, "--max-new-tokens", str(most)])
+    assert capsys.readouterr().out.split("generated: ", 1)[1].startswith(PROMPT)
+
+
+def test_smallest_vocabulary_is_what_bpe_keeps(tmp_path):
+    """The --vocab-size floor the command line names is the size a byte-level BPE tokenizer has before any merge:
+    asked for it, the tokenizer has exactly that many entries, and asked for less, it has them anyway."""
+    from diff_transformer.tools.tokenizer import CHAT_TOKENS
+    from diff_transformer_cli import smallest_vocabulary
+
+    texts = KeyValueTask().texts(50)
+    for chat in (False, True):
+        smallest = smallest_vocabulary(chat)
+        extra = {"extra_special_tokens": CHAT_TOKENS} if chat else {}
+        assert len(train_bpe_tokenizer(texts=texts, vocab_size=smallest, **extra)) == smallest
+        assert len(train_bpe_tokenizer(texts=texts, vocab_size=10, **extra)) == smallest
+    assert (smallest_vocabulary(False), smallest_vocabulary(True)) == (260, 263)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA GPU the fused backends may run")
+def test_backend_this_machine_lacks_refused_before_work(tmp_path):
+    """--attn-implementation diff_flash / flash_attention_2 on a CPU: refused before the data is built (before: after
+    43 s, and then a second refusal once triton was installed), naming the backend that runs here."""
+    cases = [["train", "--attn-implementation", name, "--output", str(tmp_path / "runs" / name)]
+             for name in ("diff_flash", "flash_attention_2")]
+    triton = importlib.util.find_spec("triton") is not None
+    reasons = ["no CUDA GPU" if triton else "triton is not installed (",
+               "no CUDA GPU" if importlib.util.find_spec("flash_attn") else "the flash_attn package is not installed"]
+    for (code, err), arguments, reason in zip(run_cases(cases, tmp_path, unset=("TRITON_INTERPRET",)), cases, reasons):
+        line = err.strip().splitlines()[-1]
+        assert code == 2 and "training sequences" not in err, err[-3000:]
+        assert line.startswith(f"diff-transformer train: error: --attn-implementation {arguments[2]} cannot run on "
+                               f"this machine ({reason}"), line
+        assert line.endswith("; use --attn-implementation sdpa (see diff-transformer train --help)"), line
+    assert not (tmp_path / "runs").exists()
 
 
 def test_no_question_on_a_terminal(silently_wrong):
@@ -507,10 +610,13 @@ def slow_disk(tmp_path):
     return limit
 
 
+def cli_process_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def cli_process(arguments: list[str], cwd: Path, **options) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=cli_process_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **options)
 
@@ -527,31 +633,76 @@ def test_failed_save_leaves_nothing(tmp_path, slow_disk):
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
 
 
-def test_sigterm_during_training(tmp_path):
-    """`kill -TERM` mid-training: handled as Ctrl-C (one line, exit 143 = 128 + SIGTERM, nothing saved, the folders
-    made for the run removed); off a terminal, progress comes as plain lines, not a redrawn bar."""
-    process = cli_process(["train", "--max-steps", "100000", "--examples", "256", "--output", "runs/made/here"],
-                          tmp_path)
+def wait_for_line(process: subprocess.Popen, chunks: list[str], pattern: str, timeout: float = 300) -> None:
+    """Until the child's output (read into `chunks` by a `read_stream` thread) has a line matching `pattern`."""
+    deadline = time.monotonic() + timeout  # a loaded 2-core machine takes a minute or more to import torch
+    while not re.search(pattern, "".join(chunks), flags=re.MULTILINE):
+        assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
+        time.sleep(0.1)
+
+
+def interrupted_run(arguments: list[str], cwd: Path, after: str, signum: int) -> tuple[int, str]:
+    """Exit status and output of `arguments`, sent `signum` once a line matches `after`."""
+    process = cli_process(arguments, cwd)
     chunks: list[str] = []
     reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 300  # a loaded 2-core machine takes a minute or more to import torch
     try:
-        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
-            time.sleep(0.2)
-        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+        wait_for_line(process, chunks, after)
+        process.send_signal(signum)
+        process.wait(timeout=120)
     finally:
         process.kill()
     reader.join(timeout=10)
-    err = "".join(chunks)
-    assert process.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and "\r" not in err, err[-3000:]
-    assert re.search(r"\ndiff-transformer train: terminated \(SIGTERM\) at step \d+ of 100000; nothing saved\n$",
-                     err), err[-3000:]
-    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+    return process.returncode, "".join(chunks)
+
+
+def logged_losses(output: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+: loss (\d+\.\d+)$", output,
+                                                                  flags=re.MULTILINE)}
+
+
+# A run of 200 steps that logs every 10 (Trainer's logging_steps for it) and prints every log (--progress-seconds 0),
+# checkpointing every 5 steps and keeping the last 2.
+RESUMABLE = ["train", "--max-steps", "200", "--examples", "8000", "--seed", "1", "--progress-seconds", "0",
+             "--save-steps", "5", "--save-total-limit", "2"]
+# The resumed run's losses equal the uninterrupted run's to the 4 printed decimals (measured: no difference at any
+# step); the bound allows 2 units of the last printed digit, for rounding on another CPU.
+RESUME_TOLERANCE = 2e-4
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path, capsys):
+    """`kill -TERM` mid-training: the step finishes, a checkpoint of it is saved (with the last --save-total-limit
+    of the --save-steps ones), one line says where and how to continue (exit 143 = 128 + SIGTERM), and no model
+    folder is written. `--resume` then continues with the same data order, optimizer, scheduler and RNG: each loss
+    it logs equals the uninterrupted run's at the same step. Off a terminal progress comes as plain lines at every
+    log with --progress-seconds 0 (before: one per quarter of the run, and nothing saved on a stop)."""
+    main([*RESUMABLE, "--output", str(tmp_path / "runs" / "full")])
+    full = logged_losses(capsys.readouterr().out)
+    assert sorted(full) == list(range(10, 201, 10)), full
+
+    code, output = interrupted_run([*RESUMABLE, "--output", "runs/r"], tmp_path, r"^step 20/200: loss", signal.SIGTERM)
+    assert code == 143 and "Traceback" not in output and "\r" not in output, output[-3000:]
+    stopped = re.search(r"\ndiff-transformer train: terminated \(SIGTERM\) at step (\d+) of 200; saved "
+                        r"runs/r/checkpoint-(\d+): run the same command with --resume to continue from it\n$", output)
+    assert stopped and stopped[1] == stopped[2], output[-3000:]
+    step = int(stopped[1])
+    kept = sorted({*range(5, step + 1, 5), step})[-2:]  # --save-steps 5, --save-total-limit 2, and the stop's
+    assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir()) == [f"checkpoint-{k}" for k in kept]
+
+    resumed = subprocess.run([sys.executable, "-m", "diff_transformer_cli", *RESUMABLE, "--output", "runs/r",
+                              "--resume"], cwd=tmp_path, env=cli_process_env(), stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"trained steps {step + 1}-200 in " in resumed.stdout, resumed.stdout
+    after = logged_losses(resumed.stdout)
+    assert sorted(after) == [s for s in range(10, 201, 10) if s > step], after
+    whole_windows = [s for s in after if s - 10 >= step]  # logs whose 10 steps all ran after the checkpoint
+    differences = {s: abs(after[s] - full[s]) for s in whole_windows}
+    assert max(differences.values()) <= RESUME_TOLERANCE, differences
+    folder = tmp_path / "runs" / "r"
+    assert (folder / "config.json").is_file() and not list(folder.glob("checkpoint-*")), sorted(folder.iterdir())
+    assert json.loads((folder / "training_args.json").read_text())["resumed_from_step"] == step
 
 
 def test_saved_folder_serves_generate_defaults(trained):
@@ -560,7 +711,7 @@ def test_saved_folder_serves_generate_defaults(trained):
     generation = json.loads((trained / "generation_config.json").read_text())
     config = json.loads((trained / "config.json").read_text())
     expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-                "max_length": config["max_position_embeddings"]}
+                "max_new_tokens": config["max_position_embeddings"] // 2}
     assert {key: generation.get(key) for key in expected} == expected, generation
     assert not (trained / "training_args.bin").exists(), sorted(p.name for p in trained.iterdir())
     tokenizer = AutoTokenizer.from_pretrained(trained)
@@ -611,31 +762,17 @@ def read_stream(stream, chunks: list[str]) -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_during_training(tmp_path):
-    """A real SIGINT once training logs steps: one line, exit 130, no folder left behind."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "diff_transformer_cli", "train", "--max-steps", "100000", "--examples",
-               "256", "--seed", "0", "--output", "runs/made/here"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    chunks: list[str] = []
-    reader = threading.Thread(target=read_stream, args=(process.stdout, chunks), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 180
-    try:
-        while not re.search(r"step \d+/100000: loss", "".join(chunks)):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(chunks)[-3000:]
-            time.sleep(0.2)
-        assert list((tmp_path / "runs" / "made").glob(".here.incomplete-*")), "training writes to a staging folder"
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        process.kill()
-    reader.join(timeout=10)
-    err = "".join(chunks)
-    assert process.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and re.search(
-        r"\ndiff-transformer train: interrupted at step \d+ of 100000; nothing saved\n$", err), err[-3000:]
-    assert not (tmp_path / "runs").exists(), "the folders this run made are removed"
+    """A real SIGINT once training logs steps: one line, exit 130, a checkpoint to resume from and no model folder;
+    a second SIGINT while the step finishes stops at once."""
+    arguments = ["train", "--max-steps", "100000", "--examples", "256", "--seed", "0", "--output", "runs/made/here"]
+    code, output = interrupted_run(arguments, tmp_path, r"step \d+/100000: loss", signal.SIGINT)
+    assert code == 130 and "Traceback" not in output, output[-3000:]
+    stopped = re.search(r"\ndiff-transformer train: interrupted at step (\d+) of 100000; saved "
+                        r"runs/made/here/checkpoint-(\d+): run the same command with --resume", output)
+    assert stopped and stopped[1] == stopped[2], output[-3000:]
+    folder = tmp_path / "runs" / "made" / "here"
+    assert [p.name for p in folder.iterdir()] == [f"checkpoint-{stopped[1]}"], "no model folder, no staging folder"
+    assert not list(folder.parent.glob(".here.incomplete-*"))
 
 
 @pytest.mark.slow

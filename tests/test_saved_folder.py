@@ -13,21 +13,27 @@ lm-eval-style evaluation."""
 
 
 import json
+import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import build_stack, saved_folders
 from test_training import make_trainer
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, pipeline
+from transformers.utils import logging as transformers_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
+from diff_transformer.tools.commands import load_checked_model
 from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
@@ -118,8 +124,8 @@ def test_cli_folder_files(cli_folder):
     assert read_json(folder, "config.json")["use_cache"] is True, "Trainer's use_cache=False was saved"
     generation = read_json(folder, "generation_config.json")
     context = read_json(folder, "config.json")["max_position_embeddings"]
-    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": context}
-    assert {key: generation.get(key) for key in expected} == expected, generation
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": context // 2}
+    assert {key: generation.get(key) for key in expected} == expected and "max_length" not in generation, generation
     tokenizer_config = read_json(folder, "tokenizer_config.json")
     assert tokenizer_config["tokenizer_class"] == "TokenizersBackend" and "auto_map" not in tokenizer_config
     assert tokenizer_config["model_max_length"] == read_json(folder, "config.json")["max_position_embeddings"]
@@ -137,7 +143,7 @@ def test_cli_folder_in_client_without_package(cli_folder, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert result["prompt_ids"] == encode_example(tokenizer, PROMPT), "the client's prompt is not the training format"
     model = DiffForCausalLM.from_pretrained(folder).eval()
-    max_length = model.generation_config.max_length
+    max_length = len(result["prompt_ids"]) + model.generation_config.max_new_tokens  # the prompt is short
     assert max_length <= model.config.max_position_embeddings, (max_length, model.config.max_position_embeddings)
     for generated in (result["generated"], result["greedy"]):
         assert generated[: len(result["prompt_ids"])] == result["prompt_ids"], generated
@@ -147,6 +153,59 @@ def test_cli_folder_in_client_without_package(cli_folder, tmp_path):
     assert result["greedy"] == expected, (result["greedy"], expected)
     if chat:
         assert result["chat_reply"]["role"] == "assistant", result["chat_reply"]
+
+
+@contextmanager
+def transformers_warnings() -> Iterator[list[str]]:
+    """The messages transformers logs at warning level or above inside the block (the tests run it at error)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    root = logging.getLogger("transformers")
+    previous = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_warning()
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        transformers_logging.set_verbosity(previous)
+
+
+def old_folder(folder: Path, copy: Path) -> Path:
+    """A copy of `folder` with the generation config older versions saved: `max_length` = the context."""
+    shutil.copytree(folder, copy)
+    generation = read_json(copy, "generation_config.json")
+    generation.pop("max_new_tokens")
+    generation["max_length"] = read_json(copy, "config.json")["max_position_embeddings"]
+    (copy / "generation_config.json").write_text(json.dumps(generation))
+    return copy
+
+
+def test_max_new_tokens_without_a_length_warning(cli_folder, tmp_path):
+    """A saved folder serves generate() without arguments past transformers' 20 tokens and a call passing
+    max_new_tokens without "Both `max_new_tokens` and `max_length` seem to have been set" (logged on every such
+    call while folders saved max_length: 24 times in one eval-needle run). A folder saved that way still loads; the
+    commands and save_pretrained read it as the new form, plain from_pretrained keeps it (and the warning)."""
+    folder, chat = cli_folder
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    old = old_folder(folder, tmp_path / "old")
+    models = {"new": DiffForCausalLM.from_pretrained(folder), "old": DiffForCausalLM.from_pretrained(old),
+              "old via the commands": load_checked_model(str(old))}
+    for name, model in models.items():
+        with transformers_warnings() as logged:
+            pipeline("text-generation", model=model.eval(), tokenizer=tokenizer)(PROMPT, max_new_tokens=2)
+            model.generate(**ids, max_new_tokens=2, do_sample=False)
+        length_warnings = [message for message in logged if "max_new_tokens" in message]
+        assert len(length_warnings) == (2 if name == "old" else 0), (name, logged)
+    model = models["new"]
+    model.generation_config.eos_token_id = None  # no early stop: the default length shows
+    output = model.generate(**ids, do_sample=False)
+    assert output.shape[1] - ids["input_ids"].shape[1] == model.config.max_position_embeddings // 2 > 20, output.shape
+    models["old"].save_pretrained(tmp_path / "resaved")
+    generation = read_json(tmp_path / "resaved", "generation_config.json")
+    assert generation["max_new_tokens"] == 128 and "max_length" not in generation, generation
 
 
 def test_cli_text_blocks_start_like_the_tokenizer(tmp_path):
@@ -168,9 +227,10 @@ def test_trainer_checkpoint_saves_cache_on_and_generation_defaults(tmp_path):
     trainer.save_model(tmp_path / "model")
     assert read_json(tmp_path / "model", "config.json")["use_cache"] is True
     generation = read_json(tmp_path / "model", "generation_config.json")
-    assert generation["max_length"] == model.config.max_position_embeddings == 256, generation
+    assert generation["max_new_tokens"] == model.config.max_position_embeddings // 2 == 128, generation
+    assert "max_length" not in generation, generation
     assert generation["pad_token_id"] == model.config.pad_token_id, generation
-    assert model.config.use_cache is False and model.generation_config.max_length is None, "saving changed the model"
+    assert model.config.use_cache is False and model.generation_config.max_new_tokens is None, "saving changed it"
 
 
 def token_logprobs(model: DiffForCausalLM, ids: list[int]) -> torch.Tensor:

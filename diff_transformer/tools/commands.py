@@ -4,10 +4,13 @@ train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload 
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,18 +32,21 @@ from transformers import (
     set_seed,
 )
 from transformers import dynamic_module_utils
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
+from ..folder_defaults import generation_defaults
 from .callbacks import NonFiniteStopCallback
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
-from .folders import nearest_existing
+from .folders import checkpoint_step, checkpoints, nearest_existing
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
 TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
     "data", "max_steps", "minutes", "batch_size", "learning_rate", "hidden_size", "layers", "heads", "block_size",
-    "vocab_size", "examples", "pairs", "keys", "attn_implementation", "bf16", "seed", "chat_template",
+    "vocab_size", "examples", "pairs", "keys", "attn_implementation", "bf16", "seed", "chat_template", "save_steps",
+    "save_total_limit", "resume",
 )
 
 
@@ -105,25 +111,22 @@ def check_finite_weights(model: torch.nn.Module, what: str) -> None:
                          "damaged: use an earlier checkpoint, or train again with a lower learning rate")
 
 
-@contextmanager
-def named_load_errors(folder: str) -> Iterator[None]:
-    """transformers' error for weights of the wrong shape names neither the tensor nor the shapes (they are in a log
-    report): a `ValueError` with both instead."""
-    try:
-        yield
-    except RuntimeError as error:
-        mismatched = mismatched_shapes(folder, load_config(folder))
-        if not mismatched:
-            raise
+def check_weight_shapes(folder: str) -> None:
+    """`ValueError` naming the weights of `folder` whose shape does not fit its config.json, checked before loading:
+    transformers' own answer is a multi-line load report, then an error that names neither tensor nor shapes."""
+    mismatched = mismatched_shapes(folder, load_config(folder))
+    if mismatched:
         raise ValueError(f"the weights in {folder} do not fit its config.json: {'; '.join(mismatched[:3])}; they come "
-                         "from another model: save the model and its config again together") from error
+                         "from another model: save the model and its config again together")
 
 
 def load_checked_model(folder: str, **options) -> torch.nn.Module:
-    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked."""
-    with named_load_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
+    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked, and the generation defaults
+    of a folder saved now (an older folder's length setting warned on every call passing max_new_tokens)."""
+    check_weight_shapes(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     check_finite_weights(model, folder)
+    generation_defaults(model.generation_config, model.config)
     return model
 
 
@@ -174,20 +177,69 @@ class TimeLimit(TrainerCallback):
 
 class PlainProgress(TrainerCallback):
     """Off a terminal: the loss in plain lines (on stdout, as QuietProgress writes its own), at the first log, so that
-    a log shows training has started, and once per quarter of the run."""
+    a log shows training has started, once per quarter of the run, and at the first log `seconds` after the last
+    line, so that a long run's log moves at a steady rate."""
 
-    def __init__(self):
+    def __init__(self, seconds: float):
         self.quarter = 0
+        self.seconds = seconds
+        self.printed = -math.inf
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if "loss" not in (logs or {}) or state.global_step < self.quarter * state.max_steps / 4:
+        if "loss" not in (logs or {}):
+            return
+        quarter_passed = state.global_step >= self.quarter * state.max_steps / 4
+        if not quarter_passed and time.monotonic() - self.printed < self.seconds:
             return
         print(f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}", flush=True)
+        self.printed = time.monotonic()
         while self.quarter * state.max_steps / 4 <= state.global_step:
             self.quarter += 1
 
     def close(self) -> None:
         pass
+
+
+class CheckpointOnStop(TrainerCallback):
+    """Ctrl-C or SIGTERM while `installed`: the step under way finishes, Trainer saves a checkpoint of it (weights,
+    optimizer, scheduler, RNG states, the data position) and stops; `raise_if_stopped` then raises what the signal
+    would have raised. A second signal raises at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict[int, Callable] = {}
+
+    def request(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            self.raise_signal(signum, frame)
+        self.signum = signum
+
+    def raise_signal(self, signum: int, frame) -> None:
+        handler = self.previous.get(signum)
+        if callable(handler):  # KeyboardInterrupt for SIGINT, the command line's `Terminated` for SIGTERM
+            handler(signum, frame)
+        raise KeyboardInterrupt
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.signum is not None:
+            control.should_save = True
+            control.should_training_stop = True
+
+    def raise_if_stopped(self) -> None:
+        if self.signum is not None:
+            self.raise_signal(self.signum, None)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+            yield
+            return
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
 
 
 class QuietProgress(ProgressCallback):
@@ -221,7 +273,7 @@ def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
         intermediate_size=int(args.hidden_size * 8 / 3) // 16 * 16,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        max_position_embeddings=max(args.block_size, 256),
+        max_position_embeddings=max(args.block_size or 0, 256),  # block_size: --data only
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -241,7 +293,7 @@ def build_data(args: argparse.Namespace):
 
 def training_generation_config(tokenizer) -> GenerationConfig:
     """The tokenizer's special tokens, and no length of this run's (its closing demo passes max_new_tokens):
-    `save_pretrained` bounds generation by the model's context (`folder_defaults.generation_defaults`)."""
+    `save_pretrained` adds the folder's default length (`folder_defaults.generation_defaults`)."""
     return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -250,6 +302,8 @@ def training_generation_config(tokenizer) -> GenerationConfig:
 
 
 def training_arguments(args: argparse.Namespace, folder: Path) -> TrainingArguments:
+    """Trainer's settings; its checkpoints (every --save-steps, the last --save-total-limit kept, and one on Ctrl-C
+    or SIGTERM) go into `folder`/checkpoint-STEP."""
     return TrainingArguments(
         output_dir=str(folder),
         max_steps=args.max_steps,
@@ -258,7 +312,9 @@ def training_arguments(args: argparse.Namespace, folder: Path) -> TrainingArgume
         lr_scheduler_type="cosine",
         warmup_steps=min(100, args.max_steps // 10),
         logging_steps=max(1, min(50, args.max_steps // 20)),
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
         report_to=[],
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU-only machine needs it said
@@ -288,21 +344,30 @@ def move_into_place(staging: Path, output: Path) -> None:
     shutil.rmtree(replaced)
 
 
+def checkpoint_note(output: Path) -> str:
+    """What an interrupted run leaves: its last checkpoint in `output`, and how to continue from it."""
+    last = get_last_checkpoint(output) if output.is_dir() else None
+    if last is None:
+        return "nothing saved"
+    return f"saved {last}: run the same command with --resume to continue from it"
+
+
 @contextmanager
-def nothing_half_written(trainer: Trainer, progress, staging: Path, existing: Path) -> Iterator[None]:
-    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove `staging` and the folders made for it below
-    `existing` (the part of the path there before this run); say in one line what stopped at which step."""
+def nothing_half_written(trainer: Trainer, progress, staging: Path, output: Path, existing: Path) -> Iterator[None]:
+    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove `staging`, and the folders made for the run
+    below `existing` (the part of the path there before this run) where they hold no checkpoint; say in one line
+    what stopped at which step, and which checkpoint it left."""
     try:
         yield
     except BaseException as error:
         progress.close()
         shutil.rmtree(staging, ignore_errors=True)
-        remove_created_folders(staging.parent, existing)
+        remove_created_folders(output, existing)
         state = trainer.state
         where = (f"at step {state.global_step} of {state.max_steps}" if state.global_step < state.max_steps
                  else "while saving")
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (`Terminated`, with its exit status)
-            stopped = Interrupted(f"{str(error) or 'interrupted'} {where}; nothing saved")
+            stopped = Interrupted(f"{str(error) or 'interrupted'} {where}; {checkpoint_note(output)}")
             stopped.exit_code = getattr(error, "exit_code", stopped.exit_code)
             raise stopped from None
         if isinstance(error, (OSError, SafetensorError)):  # safetensors' write errors are no OSError
@@ -313,13 +378,15 @@ def nothing_half_written(trainer: Trainer, progress, staging: Path, existing: Pa
         raise
 
 
-def save_training_args(args: argparse.Namespace, result, folder: Path) -> None:
-    """training_args.json: the options this run was given and what it did (the Hub model card reads it)."""
+def save_training_args(args: argparse.Namespace, result, folder: Path, start: int) -> None:
+    """training_args.json: the options this run was given and what it did (the Hub model card reads it); a run
+    resumed from the checkpoint of step `start` records it, and the mean loss is that of the steps after it."""
     record = {
         "command": "diff-transformer train",
         "options": {name: getattr(args, name) for name in TRAINING_OPTIONS},
         "steps": result.global_step,
         "mean_training_loss": result.training_loss,
+        **({"resumed_from_step": start} if start else {}),
     }
     (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
 
@@ -331,6 +398,9 @@ def run_train(args: argparse.Namespace) -> None:
     task, tokenizer, dataset = build_data(args)
     if args.prompt is not None:
         check_known_words(tokenizer, args.prompt, "--prompt")
+    if args.data is not None and len(tokenizer) < args.vocab_size:
+        print(f"the BPE tokenizer has {len(tokenizer)} entries, fewer than --vocab-size {args.vocab_size}: "
+              f"{args.data} has no more pairs to merge")
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
     print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
     set_threads(args.threads, model)
@@ -338,23 +408,31 @@ def run_train(args: argparse.Namespace) -> None:
     if args.minutes is not None:
         callbacks.append(TimeLimit(args.minutes))
     shutil.rmtree(staging, ignore_errors=True)  # a killed run's, whose process id this one has
-    trainer = Trainer(model=model, args=training_arguments(args, staging), train_dataset=dataset, callbacks=callbacks)
+    if not args.resume:  # --overwrite: a new run, whose checkpoints are not to be mixed with an older run's
+        for checkpoint in checkpoints(output):
+            shutil.rmtree(checkpoint)
+    stop = CheckpointOnStop()
+    trainer = Trainer(model=model, args=training_arguments(args, output), train_dataset=dataset,
+                      callbacks=[*callbacks, stop])
     for printer in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(printer)
-    progress = QuietProgress() if TERMINAL else PlainProgress()
+    progress = QuietProgress() if TERMINAL else PlainProgress(args.progress_seconds)
     trainer.add_callback(progress)
-    with nothing_half_written(trainer, progress, staging, existing):
-        result = trainer.train()
-        print(f"trained {result.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
-              f"mean loss {result.training_loss:.4f}")
+    with nothing_half_written(trainer, progress, staging, output, existing):
+        start = checkpoint_step(checkpoints(output)[-1]) if args.resume else 0
+        with stop.installed():
+            result = trainer.train(resume_from_checkpoint=args.resume or None)
+        stop.raise_if_stopped()
+        steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
+        print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
         check_finite_weights(model, "the trained model")
         model.generation_config = training_generation_config(tokenizer)
         tokenizer.model_max_length = model.config.max_position_embeddings
         staging.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(staging)  # not trainer.save_model: its pickled training_args.bin is no model file
         tokenizer.save_pretrained(staging)
-        save_training_args(args, result, staging)
-        move_into_place(staging, output)
+        save_training_args(args, result, staging, start)
+        move_into_place(staging, output)  # the finished model replaces the run's checkpoints
     print(f"saved to {args.output}")
     reloaded = load_checked_model(args.output).eval()
     print(f"reloaded through AutoModelForCausalLM: {type(reloaded).__name__}")
@@ -373,7 +451,6 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int, sample: bool
     assistant's reply."""
     tokenizer = tokenizer or load_tokenizer(model_dir)
     generator = pipeline("text-generation", model=model or load_checked_model(model_dir), tokenizer=tokenizer)
-    generator.model.generation_config.max_length = None  # the folder's default length; this call sets max_new_tokens
     chat = tokenizer.chat_template is not None
     inputs = [{"role": "user", "content": prompt}] if chat else prompt
     # explicit: transformers 5.17's pipeline cleans up spaces by default ("k9 ? ?" -> "k9??"), newer ones do not
@@ -406,6 +483,17 @@ def prompt_tail(tokenizer, prompt: str, budget: int) -> str:
                      "lower --max-new-tokens")
 
 
+def most_new_tokens(context: int, length: int, truncate: bool) -> str:
+    """The hint of a --max-new-tokens that fills the context: the most that leave room for this `length`-token
+    prompt (one token of it with --truncate-prompt)."""
+    if truncate:
+        return f"use at most {context - 1} (--truncate-prompt keeps the prompt's last tokens)"
+    if length < context:
+        return f"use at most {context - length}: the prompt takes {length} of its tokens"
+    return (f"the prompt alone takes {length} tokens: shorten it, or pass --truncate-prompt and use at most "
+            f"{context - 1}")
+
+
 def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
     """--prompt when it and --max-new-tokens fit the model's context; its tail with --truncate-prompt (and one
     warning line); else ValueError with the numbers."""
@@ -413,10 +501,11 @@ def fitted_prompt(args: argparse.Namespace, tokenizer) -> str:
     if context is None:
         return args.prompt
     budget = context - args.max_new_tokens
+    length = prompt_length(tokenizer, args.prompt)
     if budget < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the context of "
-                         f"{args.model} ({context} tokens, max_position_embeddings); use at most {context - 1}")
-    length = prompt_length(tokenizer, args.prompt)
+                         f"{args.model} ({context} tokens, max_position_embeddings); "
+                         f"{most_new_tokens(context, length, args.truncate_prompt)}")
     if length <= budget:
         return args.prompt
     if not args.truncate_prompt:

@@ -6,6 +6,7 @@ importing torch or transformers (see `diff_transformer_cli.load_torch_free`)."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 # A folder holds a tokenizer when it has one of these (tokenizer_config.json alone holds settings, not a vocabulary):
@@ -18,6 +19,7 @@ TOKENIZER_FILES = (
 # Files Python's pickle writes (weights of old checkpoints, Trainer's training_args.bin, optimizer states): loading
 # one runs code its author chose, so a model's weights must be safetensors.
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the folders Trainer saves its checkpoints in, by step
 
 
 class FolderError(ValueError):
@@ -59,6 +61,16 @@ def read_json(path: str | os.PathLike) -> dict:
     return value
 
 
+def checkpoint_step(path: Path) -> int:
+    return int(CHECKPOINT.fullmatch(path.name)[1])
+
+
+def checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """Trainer's checkpoint folders in `folder` (checkpoint-STEP), by step."""
+    found = [path for path in Path(folder).glob("checkpoint-*") if CHECKPOINT.fullmatch(path.name) and path.is_dir()]
+    return sorted(found, key=checkpoint_step)
+
+
 def missing_folder(folder: str | os.PathLike) -> str | None:
     """Why `folder` is no folder (the first part of its path that does not exist, or the file in its place), or
     None."""
@@ -72,12 +84,26 @@ def missing_folder(folder: str | os.PathLike) -> str | None:
     return f"no such folder: {folder} ({existing} is a file)"
 
 
+def adapter_only(folder: str | os.PathLike) -> str:
+    """What to do with a folder `peft_model.save_pretrained` wrote: the adapter, without the model it adapts."""
+    try:
+        base = read_json(Path(folder) / "adapter_config.json").get("base_model_name_or_path") or "BASE"
+    except ValueError:
+        base = "BASE"
+    return (f"{folder} holds a PEFT adapter (adapter_config.json), not a model; merge it into its base model "
+            f"({base}) and save the result with its tokenizer: PeftModel.from_pretrained(AutoModelForCausalLM."
+            f"from_pretrained({base!r}), {str(folder)!r}).merge_and_unload().save_pretrained(OUT), then "
+            "tokenizer.save_pretrained(OUT)")
+
+
 def read_config(folder: str | os.PathLike) -> dict:
     """The settings in `folder`/config.json; `FolderError` when the folder, its config.json, or a JSON object in it
     is missing."""
     if problem := missing_folder(folder):
         raise FolderError(problem)
     if not (Path(folder) / "config.json").is_file():
+        if (Path(folder) / "adapter_config.json").is_file():
+            raise FolderError(adapter_only(folder))
         raise FolderError(f"{folder} has no config.json, so it is no saved model folder; "
                           f"model.save_pretrained({str(folder)!r}) writes one")
     try:

@@ -123,9 +123,18 @@ def train_command_details(record: dict) -> str:
     rows = [f"| `--{name.replace('_', '-')}` | `{value}` |" for name, value in options.items() if value is not None]
     return "\n".join([
         f"Trained with `{record.get('command', 'diff-transformer train')}` on {source}: {record.get('steps', '?')} "
-        f"optimizer steps, mean training loss {record.get('mean_training_loss', float('nan')):.4f}.",
+        f"optimizer steps, mean training loss {record.get('mean_training_loss', float('nan')):.4f}"
+        f"{resumed_note(record)}.",
         "", "| option | value |", "| --- | --- |", *rows,
     ])
+
+
+def resumed_note(record: dict) -> str:
+    """Which steps the mean loss covers, where the run was resumed from a checkpoint."""
+    start = record.get("resumed_from_step")
+    if not start:
+        return ""
+    return f" (of steps {start + 1}-{record.get('steps', '?')}: resumed from the checkpoint of step {start})"
 
 
 def trainer_state_details(state: dict) -> str:
@@ -176,7 +185,7 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
         model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
         generator = pipeline("text-generation", model="{repo}", trust_remote_code=True)
-        generator("Hello")  # generation_config.json: at most {max_length} tokens, prompt included
+        generator("Hello")  # generation_config.json: at most {max_new_tokens} new tokens (max_new_tokens=N sets it)
         ```
 
         LoRA without naming targets (the model code registers them with PEFT: q/k/v/o and gate/up/down projections):
@@ -203,7 +212,7 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         """)
     text = body.format(
         name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir),
-        max_length=generation.max_length,
+        max_new_tokens=generation.max_new_tokens,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
@@ -231,7 +240,7 @@ def check_remote_loading(model_dir: Path, label: Path) -> str:
     if "REMOTE_OK" not in result.stdout:
         raise UploadError(f"{label} would not load with trust_remote_code=True (left unchanged):\n"
                           f"{result.stderr[-3000:]}")
-    return result.stdout.strip().splitlines()[-1]
+    return f"it loads with trust_remote_code=True as {result.stdout.split()[-1]}"  # the class, not the module path
 
 
 def require_token() -> str:
