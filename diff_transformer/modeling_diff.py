@@ -271,7 +271,8 @@ class DiffV2Attention(DifferentialAttentionBase):
 
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attn_2j - gate_j attn_2j+1 per head, [B, T, h, d] fp32, in one attention call over the 2h heads."""
-        gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]
+        gate = self.lambda_proj(hidden_states.to(self.lambda_proj.weight.dtype))  # fp32 in an fp16 load
+        gate = torch.sigmoid(gate.float())  # [B, T, h]
         if self.config._attn_implementation in ("eager", PAGED_EAGER):
             return eager_v2_attention(self, q, k, v, gate, attention_mask, self.scaling)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, sdpa_attention_forward)
@@ -331,6 +332,9 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
     config: DiffConfig
     config_class = DiffConfig
     _no_split_modules = ["DiffDecoderLayer"]
+    # V2's per-token lambda gate (h outputs): never quantized (a quantizer's CPU kernels may need widths in
+    # multiples of 32, and the gate's error would multiply the second map), kept in fp32 when loading in fp16
+    _keep_in_fp32_modules = ["lambda_proj"]
     _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": list(ATTENTION_CLASSES)}
 
     @classmethod
