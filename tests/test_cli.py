@@ -4,6 +4,8 @@
 retrieval task and on a user's text file. Short runs: these check the plumbing of the README's main job, not how well it
 learns. What the commands refuse: test_cli_inputs.py."""
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -54,7 +56,11 @@ def test_train_default_task_then_generate(tmp_path, capsys):
     # a few lines, not every log: off a terminal (as here) the first log's too, to show that training started
     assert quarters == ["1", "8", "15", "23", "30"] and "{'loss'" not in output, output
     assert re.search(r"^retrieval accuracy on held-out prompts: [01]\.\d{3}$", output, flags=re.MULTILINE), output
-    assert isinstance(AutoModelForCausalLM.from_pretrained(folder), DiffForCausalLM)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(model, DiffForCausalLM)
+    # the package's default initialisation: embeddings x sqrt(hidden), written to config.json
+    assert model.config.embedding_multiplier == math.sqrt(model.config.hidden_size)
+    assert json.loads((folder / "config.json").read_text())["embedding_multiplier"] == math.sqrt(64)
 
     prompt = "k3 v7 k9 v2 ? k9"
     main(["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "2"])
