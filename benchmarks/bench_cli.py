@@ -1,5 +1,5 @@
 """CPU seconds of `diff-transformer --help` and of an argument error, beside the import of the package (torch +
-transformers) that they no longer pay for (issue #33: under 1 s of CPU). Each command runs in a fresh interpreter;
+transformers) that they no longer pay for (under 1 s of CPU). Each command runs in a fresh interpreter;
 the figure is the median of --repeats runs' user + system time.
 
     python benchmarks/bench_cli.py [--repeats 5]

@@ -1,11 +1,11 @@
-"""Side-by-side model benchmark (issue #2): DiffForCausalLM (sdpa, eager, DIFF V2) vs transformers'
+"""Side-by-side model benchmark: DiffForCausalLM (sdpa, eager, DIFF V2) vs transformers'
 DiffLlamaForCausalLM and LlamaForCausalLM at equal parameter count. Reports training tokens/s, greedy decode
 tokens/s and peak memory as ratios measured in one run. Each model lives in its own worker process (as in a
 user's training run: no allocator state shared with the other models) and reports its peak memory after the
 warm-up; timings are interleaved (round-robin over the workers, the order rotated every round, one worker running
 at a time) so machine noise and position effects hit all alike.
 
-    python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (issue #2 setting)
+    python benchmarks/bench_model.py                   # hidden 512, 6 layers, seq 1024, batch 2 (the default setting)
     python benchmarks/bench_model.py --quick           # smaller, for a smoke run
 """
 

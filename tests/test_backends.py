@@ -1,4 +1,4 @@
-"""Every attention backend against `eager` on a whole tiny model; the fused `diff_flash` kernel end to end (issue #3).
+"""Every attention backend against `eager` on a whole tiny model; the fused `diff_flash` kernel end to end.
 
 CPU limits (torch 2.13): flex_attention has no backward and its cached decode fails to compile, so on CPU only its
 prefill forward is checked; flash_attention_2 needs CUDA and the flash-attn package. `diff_flash` runs under the

@@ -49,7 +49,7 @@ def prepared(tmp_path_factory):
     config = json.loads((folder / "config.json").read_text())
     config.pop("auto_map")
     config["base_model"] = "meta-llama/Llama-3.2-1B"  # what a converter records
-    config["use_cache"] = False  # as Trainer.save_model wrote it before issue #17
+    config["use_cache"] = False  # as Trainer.save_model wrote it in older releases of this package
     config["max_position_embeddings"] = CONTEXT  # a short context keeps generation with the folder's defaults short
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").unlink()

@@ -1,4 +1,4 @@
-"""Hybrid stacks (some layers standard attention, config.attention_types) on every CPU backend (issue #5)."""
+"""Hybrid stacks (some layers standard attention, config.attention_types) on every CPU backend."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Which differential kernel runs (`select_kernel`, docs/design.md §4), and that registering `diff_flash` leaves
-other models' attention alone (issue #20)."""
+other models' attention alone."""
 
 import pytest
 import torch

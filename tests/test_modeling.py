@@ -1,4 +1,4 @@
-"""Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input (issue #2)."""
+"""Core model: reference math, lambda, caching, padding, save/load, checkpointing, bad input."""
 
 import copy
 import json

@@ -1,4 +1,4 @@
-"""Tensor-parallel run of saved models (issue #19); used by tests/test_tensor_parallel.py.
+"""Tensor-parallel run of saved models; used by tests/test_tensor_parallel.py.
 
     torchrun --nproc_per_node 2 tests/tp_worker.py OUTPUT_DIR MODEL_DIR [MODEL_DIR ...]
 
