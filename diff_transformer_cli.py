@@ -442,9 +442,10 @@ def add_attention_noise_parser(commands, common) -> Parser:
 
 def add_outliers_parser(commands, common) -> Parser:
     parser = commands.add_parser("outliers", parents=[common], help="top-k activation magnitudes vs the median",
-                                 description="Top-k magnitudes and the median of attention logits (both "
+                                 description="Top-k magnitudes and the exact median of attention logits (both "
                                              "branches pooled, and each branch of a differential layer) and hidden "
-                                             "states (paper Table 5).")
+                                             "states (every decoder layer's output), over all layers together "
+                                             "(paper Table 5).")
     parser.add_argument("model", type=diff_model_folder, help="saved DIFF model folder with its tokenizer")
     parser.add_argument("--baseline", type=model_folder, help="saved baseline model using the same tokenizer")
     parser.add_argument("--length", type=positive_int, default=512, help="tokens of the probe text")

@@ -78,6 +78,9 @@ from diff_transformer.tools.evaluation import (
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 
 MODELS = ("DIFF", "DiffLlama", "Transformer")
+INITIALISATION = ("initialisation: every model trained with Llama's initialisation (unscaled embeddings: DIFF's "
+                  "`embedding_multiplier=1.0`); the package's default now scales DIFF's embeddings by sqrt(hidden), "
+                  "see the single-epoch benchmark (benchmarks/lm_scaling)")
 DEPTHS = [0, 25, 50, 75, 100]
 QUICK = dict(seeds=[0, 1], steps=40, batch=16, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1,
              examples=160, context=64, needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1,
@@ -93,6 +96,7 @@ def build_models(vocab: int, args: argparse.Namespace) -> dict:
                   num_hidden_layers=args.layers, max_position_embeddings=1024, tie_word_embeddings=True)
     configs = {
         # Llama's initialisation for every model (DIFF's embeddings unscaled), as the stored runs were trained
+        # (INITIALISATION, which every report states)
         "DIFF": (DiffForCausalLM, DiffConfig(**shared, num_attention_heads=args.heads, embedding_multiplier=1.0)),
         "DiffLlama": (DiffLlamaForCausalLM, DiffLlamaConfig(**shared, num_attention_heads=2 * args.heads,
                                                             num_key_value_heads=2 * args.heads, head_dim=d)),
@@ -229,8 +233,9 @@ def noise_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
     """Attention of the answering position to the answer needle and to the rest of the context (paper Table 3),
     averaged over held-out prompts at every depth (`evaluation.allocation`): "answer" / "noise" raw (the map that
     multiplies V), "normalized_answer" / "normalized_noise" each head's row divided by its sum (1 - lambda), the
-    paper's comparison, over the heads kept (None if none is), and "excluded": [layer, head, row sum] of the heads
-    left out of the normalised figure in any prompt (|row sum| < MIN_ROW_SUM)."""
+    paper's comparison, over the heads kept (None if none is), "excluded": [layer, head, row sum] of the heads
+    left out of the normalised figure in any prompt (|row sum| < "min_row_sum", MIN_ROW_SUM), and "by_threshold"
+    (`threshold_means`: the normalised figures at other cut-offs)."""
     model.set_attn_implementation("eager")
     rng, settings = random.Random(11), needle_settings(args, 1, 0)
     prompts = [build_needle_prompt(tokenizer, args.context, depth, settings, rng)
@@ -239,16 +244,32 @@ def noise_metrics(model, tokenizer, args: argparse.Namespace) -> dict:
     figure = figure_maps(model, tokenizer, prompts[len(prompts) // 2])
     model.set_attn_implementation("sdpa")
     excluded = {(layer, head): total for r in reports for layer, head, total in r["excluded"]}
-
-    def normalized(field: str) -> float | None:
-        values = [r[field] for r in reports if r[field] is not None]
-        return statistics.mean(values) if values else None
-
     return {"answer": statistics.mean(r["mean_answer"] for r in reports),
             "noise": statistics.mean(r["mean_noise"] for r in reports),
-            "normalized_answer": normalized("mean_normalized_answer"),
-            "normalized_noise": normalized("mean_normalized_noise"),
-            "excluded": [[layer, head, total] for (layer, head), total in sorted(excluded.items())], "figure": figure}
+            "normalized_answer": mean_defined([r["mean_normalized_answer"] for r in reports]),
+            "normalized_noise": mean_defined([r["mean_normalized_noise"] for r in reports]),
+            "excluded": [[layer, head, total] for (layer, head), total in sorted(excluded.items())],
+            "min_row_sum": MIN_ROW_SUM, "by_threshold": threshold_means(reports), "figure": figure}
+
+
+def mean_defined(values: list[float | None]) -> float | None:
+    """The mean of the figures that are defined (a prompt whose every head is excluded has none); None if none is."""
+    defined = [v for v in values if v is not None]
+    return statistics.mean(defined) if defined else None
+
+
+def threshold_means(reports: list[dict]) -> dict[str, dict]:
+    """Per cut-off on |row sum| (`evaluation.threshold_sweep`, the same prompts as the normalised figures):
+    "answer" / "noise" normalised, averaged over the prompts as `noise_metrics` averages them (None when every head
+    is excluded in every prompt), and "excluded": [layer, head] of the heads left out in any prompt."""
+    out = {}
+    for threshold in reports[0]["by_threshold"]:
+        sweeps = [r["by_threshold"][threshold] for r in reports]
+        heads = sorted({tuple(head) for sweep in sweeps for head in sweep["excluded"]})
+        out[threshold] = {"answer": mean_defined([sweep["answer"] for sweep in sweeps]),
+                          "noise": mean_defined([sweep["noise"] for sweep in sweeps]),
+                          "excluded": [list(head) for head in heads]}
+    return out
 
 
 def figure_maps(model, tokenizer, prompt) -> dict:
@@ -388,10 +409,11 @@ def magnitude_summary(values: list[torch.Tensor]) -> dict:
 
 
 def outlier_metrics(model, inputs: list[torch.Tensor]) -> dict:
-    """{activation: {top1, median, top1 / median, top10 / median}}: attention logits (causal entries) over all heads,
-    both branches pooled as the paper's Table 5 and `diff-transformer outliers` count them; for the differential
-    models also each branch alone (`evaluation.branches`: heads [:h] and [h:]); hidden states of every layer
-    output."""
+    """{activation: {top1, median, top1 / median, top10 / median}} over every input together (the median exact, of
+    all values: `evaluation.magnitude_stats`): attention logits (causal entries) over all heads, both branches pooled
+    as the paper's Table 5 and `diff-transformer outliers` count them; for the differential models also each branch
+    alone (`evaluation.branches`: heads [:h] and [h:]); hidden states: every decoder layer's output (the residual
+    stream after each layer, not the final norm's output)."""
     pooled, split, hidden = [], [], []
     for ids in inputs:
         scores, states = activation_tensors(model, ids)  # per layer [B, H, T, T], [B, T, hidden]
@@ -642,6 +664,27 @@ NOISE_NOTE = ("Attention of the answering position (paper Table 3), averaged ove
               "comparison; raw is the map that multiplies V; share is raw answer / (raw answer + raw noise).")
 
 
+def threshold_table(group: list[dict]) -> list[str]:
+    """Markdown: per model and cut-off on |row sum|, the normalised answer and noise (mean ± sd over seeds) and the
+    heads each seed leaves out; "every head excluded" where a seed keeps none."""
+    if not all("by_threshold" in r for r in group):
+        return []
+    cutoffs = list(group[0]["by_threshold"])
+    out = [f"How the normalised figures move with the cut-off (heads whose attention row sums to less than it in "
+           f"magnitude are left out; the figures above use {MIN_ROW_SUM:g}):", "",
+           "| model | cut-off | answer, normalised | noise, normalised | heads left out, per seed |",
+           "|---|---|---|---|---|"]
+    for name in MODELS:
+        runs = sorted((r for r in group if r["model"] == name), key=lambda r: r["seed"])
+        for cutoff in cutoffs if runs else ():
+            sweeps = [(r["seed"], r["by_threshold"][cutoff]) for r in runs]
+            figures = [cell([s[f] if s[f] is not None else f"undefined (seed {seed}: every head excluded)"
+                             for seed, s in sweeps]) for f in ("answer", "noise")]
+            left_out = ", ".join(str(len(s["excluded"])) for _, s in sweeps)
+            out.append(f"| {name} | {cutoff} | {' | '.join(figures)} | {left_out} |")
+    return out + [""]
+
+
 def excluded_note(group: list[dict]) -> str:
     """Which heads the normalised figures leave out, per run: a row sum under MIN_ROW_SUM cannot be divided by."""
     runs = [f"{r['model']} seed {r['seed']}: " + ", ".join(f"layer {layer} head {head} ({total:.3f})"
@@ -678,7 +721,8 @@ def summarize(rows: list[dict]) -> str:
             if runs:
                 cells = " | ".join(cell([get(r) for r in runs]) for _, get in columns)
                 out.append(f"| {name} | {runs[0]['params'] / 1e6:.3f}M | {cells} |")
-        out += ["", *([NOISE_NOTE, "", excluded_note(group), ""] if task == "retrieval" else []),
+        notes = [NOISE_NOTE, "", excluded_note(group), "", *threshold_table(group)]
+        out += ["", *(notes if task == "retrieval" else []),
                 "Per run:", "", *per_run_table(group, columns), ""]
     return "\n".join(out)
 
@@ -866,7 +910,7 @@ def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
         digest = file_sha256(args.data.resolve()) if args.data.is_file() else None
         settings["data"] = (f"{KNOWN_CORPORA.get(digest, 'a text file')} (sha256 {digest})" if digest
                             else f"{args.data.name} (not found: no text runs)")
-    report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
+    report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n{INITIALISATION}\n\n"
               f"run time: the {len(rows)} runs took {sum(r['seconds'] for r in rows) / 60:.1f} min of one process "
               f"each to train and measure\n\n"
               f"{summarize(rows)}\n{paper_tables(rows)}")

@@ -58,6 +58,16 @@ def stored(field: str) -> Callable[[dict], float | str]:
     return get
 
 
+def at_cutoff(cutoff: str, field: str) -> Callable[[dict], float | str]:
+    """The normalised `field` ("answer" / "noise") with the heads under `cutoff` in |row sum| left out."""
+    def get(row: dict) -> float | str:
+        if "by_threshold" not in row:
+            return NOT_STORED
+        value = row["by_threshold"][cutoff][field]
+        return f"undefined (seed {row['seed']}: every head excluded)" if value is None else value
+    return get
+
+
 def outlier(kind: str, stat: str) -> Callable[[dict], float | str]:
     def get(row: dict) -> float | str:
         return row["outliers"][kind][stat] if kind in row["outliers"] else NOT_STORED
@@ -154,14 +164,19 @@ def experiments(root: Path) -> list[tuple[str, list[dict]]]:
 def paper_small_readme(root: Path) -> str:
     groups = experiments(root)
     text, long, retrieval = 0, 1, 2
+    cutoff = f"{groups[retrieval][1][0]['min_row_sum']:g}"
+    others = [c for c in groups[retrieval][1][0]["by_threshold"] if c != cutoff]
     rows = [
         (text, "validation loss", lambda r: r["val_loss"]),
         (long, "validation loss at the end", lambda r: r["val_loss"]),
         (long, "best validation loss along training", lambda r: r["best_val_loss"]),
         (long, "step of the best", best_step, 0),
         (retrieval, "retrieval accuracy", lambda r: r["accuracy"]),
-        (retrieval, "answer, normalised", stored("normalized_answer"), 3, False, "answer, normalised"),
-        (retrieval, "noise, normalised", stored("normalized_noise"), 3, False, "noise, normalised"),
+        (retrieval, f"answer, normalised (cut-off {cutoff})", stored("normalized_answer"), 3, False,
+         "answer, normalised"),
+        (retrieval, f"noise, normalised (cut-off {cutoff})", stored("normalized_noise"), 3, False, "noise, normalised"),
+        *[(retrieval, f"{field}, normalised, cut-off {other}{' (every head kept)' if float(other) == 0 else ''}",
+           at_cutoff(other, field)) for other in others for field in ("answer", "noise")],
         (retrieval, "answer, raw", lambda r: r["answer"]),
         (retrieval, "noise, raw", lambda r: r["noise"]),
         (retrieval, "share answer / (answer + noise)", share),
@@ -184,8 +199,11 @@ def paper_small_readme(root: Path) -> str:
                if any(f"| {NOT_STORED} |" in line for line in body) else "")
     return "\n".join([
         "Mean ± sd over seeds, then each seed's figure in seed order. Attention at the answering position: "
-        "normalised divides each head's row by its sum (1 - lambda; 1 for softmax) as the paper's Table 3 does; "
-        "raw is the map that multiplies V; share is raw answer / (raw answer + raw noise)." + missing, "", *body])
+        "normalised divides each head's row by its sum (1 - lambda; 1 for softmax) as the paper's Table 3 does, "
+        f"leaving out the heads whose row sums to less than {cutoff} in magnitude (the cut-off; lambda near 1, where "
+        f"the division would multiply the row by {1 / float(cutoff):g} or more); the rows at cut-offs "
+        f"{' and '.join(others)} show how those figures move with it; raw is the map that multiplies V; share is "
+        "raw answer / (raw answer + raw noise)." + missing, "", *body])
 
 
 def per_run(root: Path, title: str, runs: list[dict], columns: list[tuple[str, Callable]]) -> list[str]:

@@ -35,9 +35,12 @@ from diff_transformer.tools.evaluation import (
     attention_noise,
     branches,
     build_needle_prompt,
+    activation_tensors,
     causal_entries,
+    exact_median,
     magnitude_stats,
     needle,
+    threshold_sweep,
 )
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 from diff_transformer_cli import main
@@ -121,16 +124,47 @@ def test_allocation_on_a_hand_computed_map():
     assert nothing["mean_normalized_answer"] is None and nothing["share"] == pytest.approx(0.04 / 0.08)
 
 
+def test_threshold_sweep_on_a_hand_computed_map():
+    """The normalised figures at the cut-offs 0 / 0.1 / 0.2 on |row sum|, worked out by hand on 3 layers of one head.
+    Keys: 0 answer, 1 noise, 2 the question. Row sums -0.05 (lambda 1.05), 0.15 and 1: each cut-off leaves out one
+    more layer; a cut-off above every row sum leaves none (None, "undefined")."""
+    answer, noise = torch.tensor([True, False, False]), torch.tensor([False, True, False])
+    rows = [torch.tensor([[0.02, -0.09, 0.02]]), torch.tensor([[0.06, 0.03, 0.06]]), torch.tensor([[0.2, 0.7, 0.1]])]
+    # normalised per layer: answer -0.4, 0.4, 0.2; noise 1.8, 0.2, 0.7
+    expected = {"0": ((-0.4 + 0.4 + 0.2) / 3, (1.8 + 0.2 + 0.7) / 3, []),
+                "0.1": ((0.4 + 0.2) / 2, (0.2 + 0.7) / 2, [[0, 0]]),
+                "0.2": (0.2, 0.7, [[0, 0], [1, 0]])}
+    got = threshold_sweep(rows, answer, noise)
+    assert list(got) == list(expected), "the reports' cut-offs: none, the one used (0.1), twice it"
+    for cutoff, (normalized_answer, normalized_noise, excluded) in expected.items():
+        assert got[cutoff]["answer"] == pytest.approx(normalized_answer, abs=1e-6), (cutoff, got[cutoff])
+        assert got[cutoff]["noise"] == pytest.approx(normalized_noise, abs=1e-6), (cutoff, got[cutoff])
+        assert got[cutoff]["excluded"] == excluded, (cutoff, got[cutoff])
+    above = threshold_sweep(rows, answer, noise, thresholds=(1.5,))["1.5"]
+    assert above == {"answer": None, "noise": None, "excluded": [[0, 0], [1, 0], [2, 0]]}
+
+
+def test_exact_median_of_all_values_not_of_chunk_medians():
+    """Chunks |x| = [1, 2, 3] and [4, 5, 6, 7, 100]: eight values, so the median is the mean of the two middle ones,
+    (4 + 5) / 2 = 4.5 (numpy's definition). The per-chunk medians (2 and 6) would give 2 (torch's lower middle) or
+    4 (their mean), torch's median of all values 4 (the lower middle)."""
+    chunks = [torch.tensor([[1.0, -2.0, 3.0]]), torch.tensor([4.0, 5.0, -6.0, 7.0, 100.0])]
+    stats = magnitude_stats(chunks, top_k=2)
+    assert stats == {"top": [100.0, 7.0], "median": 4.5, "ratio": 100.0 / 4.5}
+    assert exact_median(torch.tensor([3.0, 1.0, 2.0])) == 2.0, "an odd count: the middle value"
+    assert exact_median(torch.tensor([0.5, 0.25])) == 0.375, "two values: their mean"
+
+
 def test_outlier_ratio_pools_both_branches_on_a_hand_computed_map(tokenizer):
     """One differential layer, one head per branch, 2 tokens: causal logits [1, 2, 3] (branch 1) and [10, 0.5, 4]
-    (branch 2). Pooled: top-1 10, median 2 (torch's lower middle of 0.5 1 2 3 4 10), ratio 5; branch 1 alone: 3 / 2;
-    branch 2 alone: 10 / 4."""
+    (branch 2). Pooled: top-1 10, median 2.5 (the mean of the middle two of 0.5 1 2 3 4 10), ratio 4; branch 1
+    alone: 3 / 2; branch 2 alone: 10 / 4."""
     diff, llama = tiny_models(tokenizer)
     logits = torch.tensor([[[[1.0, 99.0], [2.0, 3.0]], [[10.0, 99.0], [0.5, 4.0]]]])  # [B, 2 heads, T, T]
     pooled = magnitude_stats([causal_entries(logits)], 1)
     split = branches(diff.model.layers[0].self_attn, logits)
     one, two = (magnitude_stats([causal_entries(b)], 1) for b in split)
-    assert (pooled["top"], pooled["median"], pooled["ratio"]) == ([10.0], 2.0, 5.0)
+    assert (pooled["top"], pooled["median"], pooled["ratio"]) == ([10.0], 2.5, 4.0)
     assert (one["ratio"], two["ratio"]) == (1.5, 2.5)
     assert branches(llama.model.layers[0].self_attn, logits) is None, "a softmax layer has no branches"
     ids = torch.randint(4, len(tokenizer), (1, 30))
@@ -184,13 +218,40 @@ def test_attention_noise_matches_direct_sums(tokenizer, tmp_path, capsys):
     assert (tmp_path / "noise.png").stat().st_size > 1000
 
 
+def layer_outputs_reference(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every decoder layer's output read without hooks on the layers: `output_hidden_states` holds the input of each
+    layer after the first (the outputs of all layers but the last); the last layer's output is what enters the final
+    norm (captured by a pre-hook on the norm). Also the final norm's output, `hidden_states[-1]`."""
+    entering = []
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: entering.append(args[0]))
+    try:
+        with torch.no_grad():
+            states = model(ids, output_hidden_states=True).hidden_states
+    finally:
+        handle.remove()
+    return [*states[1:-1], entering[0]], states[-1]
+
+
+def test_hidden_states_are_every_decoder_layer_output(tokenizer):
+    """activation_tensors' hidden states are the residual stream after each decoder layer (paper Table 5), one per
+    layer, the last layer's included and the final norm's output not: on a tiny DIFF and Llama with 2 layers."""
+    diff, llama = tiny_models(tokenizer)
+    ids = torch.randint(4, len(tokenizer), (1, 12))
+    for model in (diff, llama):
+        _, hidden = activation_tensors(model, ids)
+        expected, normed = layer_outputs_reference(model, ids)
+        assert len(hidden) == model.config.num_hidden_layers == len(expected)
+        for i, (got, want) in enumerate(zip(hidden, expected)):
+            assert torch.equal(got, want), f"layer {i}: max abs diff {(got - want).abs().max():.3e}"
+        assert not any(torch.allclose(h, normed) for h in hidden), "the final norm's output is not a layer's output"
+
+
 def test_activation_outliers_against_direct_computation(tokenizer, tmp_path, capsys):
     diff, llama = tiny_models(tokenizer)
     ids = torch.randint(4, len(tokenizer), (1, 40))
     for model in (diff, llama):
         report = activation_outliers(model, ids, top_k=3)
-        with torch.no_grad():
-            hidden = torch.stack(model(ids, output_hidden_states=True).hidden_states[1:])
+        hidden = torch.stack(layer_outputs_reference(model, ids)[0])
         expected_top = hidden.abs().flatten().topk(3).values
         got_top = torch.tensor(report["hidden_states"]["top"])
         gap = (got_top - expected_top).abs()
@@ -473,6 +534,29 @@ def test_paper_small_from_saved_reproduces_the_tables(shakespeare, tmp_path):
     weights.unlink()
     with pytest.raises(benchmark.SavedRunError, match=f"{run.name}: its saved model .* is missing"):
         benchmark.main(argv + ["--from-saved"])
+
+
+def test_paper_small_threshold_table_by_hand():
+    """threshold_means averages each cut-off's normalised figures over the prompts where a head is kept and pools the
+    heads left out; threshold_table shows mean ± sd over seeds, and "undefined" where a seed keeps no head."""
+    benchmark = load_paper_small()
+    prompts = [{"by_threshold": {"0": {"answer": -0.3, "noise": 0.5, "excluded": []},
+                                 "0.2": {"answer": None, "noise": None, "excluded": [[0, 0], [1, 0]]}}},
+               {"by_threshold": {"0": {"answer": 0.1, "noise": 0.3, "excluded": []},
+                                 "0.2": {"answer": 0.4, "noise": 0.2, "excluded": [[0, 0]]}}}]
+    means = benchmark.threshold_means(prompts)
+    assert means["0"] == {"answer": pytest.approx(-0.1), "noise": pytest.approx(0.4), "excluded": []}
+    assert means["0.2"] == {"answer": 0.4, "noise": 0.2, "excluded": [[0, 0], [1, 0]]}
+    runs = [{"model": "DIFF", "seed": 0, "by_threshold": means},
+            {"model": "DIFF", "seed": 1, "by_threshold": {"0": {"answer": 0.3, "noise": 0.6, "excluded": []},
+                                                          "0.2": {"answer": None, "noise": None,
+                                                                  "excluded": [[0, 0], [1, 0], [2, 0]]}}}]
+    table = benchmark.threshold_table(runs)
+    # seeds' answers at 0: -0.1 and 0.3, mean 0.1, sd 0.283 (sqrt(0.08)); noises 0.4 and 0.6, mean 0.5, sd 0.141
+    assert "| DIFF | 0 | 0.100 ± 0.283 | 0.500 ± 0.141 | 0, 0 |" in table, table
+    assert ("| DIFF | 0.2 | undefined (seed 1: every head excluded) | undefined (seed 1: every head excluded) | 2, 3 |"
+            in table), table
+    assert "the figures above use 0.1" in table[0]
 
 
 def test_paper_small_text_only_without_corpus_is_refused(tmp_path):

@@ -9,7 +9,8 @@
   1) are excluded and listed. Raw: the map as it multiplies V, averaged the same way (a differential row may be
   negative). Share: raw answer / (raw answer + raw noise), which a common scale of the rows leaves unchanged.
 - Activation outliers (Table 5): top-k magnitudes of attention logits (q k^T / sqrt(d), causal entries; both
-  branches pooled, and each branch apart for differential models) and of hidden states against their median.
+  branches pooled, and each branch apart for differential models) and of hidden states (every decoder layer's output,
+  the residual stream after each layer; not the final norm's output) against the exact median of all of them.
 """
 
 import random
@@ -339,11 +340,28 @@ def allocation(head_rows: list[torch.Tensor], answer: torch.Tensor, noise: torch
     }
 
 
+ROW_SUM_THRESHOLDS = (0.0, MIN_ROW_SUM, 0.2)  # the cut-offs the reports compare: none, the one used, twice it
+
+
+def threshold_sweep(head_rows: list[torch.Tensor], answer: torch.Tensor, noise: torch.Tensor,
+                    thresholds: tuple[float, ...] = ROW_SUM_THRESHOLDS) -> dict[str, dict]:
+    """How the normalised figures move with the cut-off on |row sum|: per threshold t (key f"{t:g}") `allocation`'s
+    "answer" / "noise" (its mean normalised answer and noise with min_row_sum t; None when every head is excluded)
+    and "excluded" ([layer, head] of the heads left out). At 0 every head is kept."""
+    sweep = {}
+    for threshold in thresholds:
+        report = allocation(head_rows, answer, noise, threshold)
+        sweep[f"{threshold:g}"] = {"answer": report["mean_normalized_answer"],
+                                   "noise": report["mean_normalized_noise"],
+                                   "excluded": [[layer, head] for layer, head, _ in report["excluded"]]}
+    return sweep
+
+
 def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePrompt,
                     min_row_sum: float = MIN_ROW_SUM) -> dict:
     """`allocation` of the answering position's attention to the answer needle and to the rest of the context
-    (the question excluded), plus "rows" (head-averaged row per layer [S]), "branch_rows" and "positions"
-    (eager models)."""
+    (the question excluded), plus "by_threshold" (`threshold_sweep`), "rows" (head-averaged row per layer [S]),
+    "branch_rows" and "positions" (eager models)."""
     check(model.config._attn_implementation == "eager",
             f"attention_noise reads attention maps, which only eager attention returns, but the model runs "
             f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
@@ -351,7 +369,8 @@ def attention_noise(model, tokenizer: PreTrainedTokenizerBase, prompt: NeedlePro
     positions = span_positions(tokenizer, prompt.question(0), prompt)
     head_rows, branch_rows = last_row_maps(model, positions["input_ids"])
     report = allocation(head_rows, positions["answer"], positions["noise"], min_row_sum)
-    return {**report, "rows": [row.mean(0) for row in head_rows], "branch_rows": branch_rows, "positions": positions}
+    return {**report, "by_threshold": threshold_sweep(head_rows, positions["answer"], positions["noise"]),
+            "rows": [row.mean(0) for row in head_rows], "branch_rows": branch_rows, "positions": positions}
 
 
 def figure(value: float | None) -> str:
@@ -384,7 +403,22 @@ def noise_table(reports: dict[str, dict]) -> str:
                              figure(r["normalized_noise"][i]), f"{r['answer'][i]:.3f}", f"{r['noise'][i]:.3f}"])
                  if i < len(r["answer"]) else " | ".join("-" * len(columns)) for r in reports.values()]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *threshold_table(reports, limit)])
+
+
+def threshold_table(reports: dict[str, dict], limit: float) -> list[str]:
+    """Markdown: per cut-off on |row sum| (`threshold_sweep`) each model's normalised answer and noise and the number
+    of heads left out."""
+    names = list(reports)
+    lines = [f"Normalised figures by the cut-off on |row sum| (heads under it left out; the tables above use "
+             f"{limit:g}; \"excluded\": every head is):", "",
+             "| cut-off | " + " | ".join(f"{n} {c}" for n in names for c in ("answer", "noise", "heads left out"))
+             + " |", "|---|" + "---|" * (3 * len(names))]
+    for threshold in next(iter(reports.values()))["by_threshold"]:
+        cells = [f"{figure(s['answer'])} | {figure(s['noise'])} | {len(s['excluded'])}"
+                 for s in (r["by_threshold"][threshold] for r in reports.values())]
+        lines.append(f"| {threshold} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def save_noise_plot(reports: dict[str, dict], path: str | Path) -> bool:
@@ -435,32 +469,49 @@ def attention_logits(module: torch.nn.Module, hidden: torch.Tensor, position_emb
     return torch.matmul(q.float(), k.float().transpose(2, 3)) * module.scaling
 
 
+def exact_median(values: torch.Tensor) -> float:
+    """The median of every entry of `values`, as numpy defines it: the middle entry in sorted order, or for an even
+    count the mean of the two middle entries (torch's `median` takes the lower one); computed in float64."""
+    ordered = values.flatten().double().sort().values
+    count = ordered.numel()
+    check(count > 0, "the median of no values is undefined")
+    return ((ordered[(count - 1) // 2] + ordered[count // 2]) / 2).item()
+
+
 def magnitude_stats(values: list[torch.Tensor], top_k: int) -> dict:
-    """Top-k of |x| over all chunks and the median of the per-chunk medians (exact for one chunk)."""
-    tops = torch.cat([v.abs().flatten().topk(min(top_k, v.numel())).values for v in values])
-    tops = tops.topk(min(top_k, tops.numel())).values
-    median = torch.stack([v.abs().flatten().median() for v in values]).median()
-    return {"top": tops.tolist(), "median": median.item(), "ratio": (tops[0] / median).item()}
+    """Top-k of |x| and the exact median of |x| (`exact_median`) over every entry of all chunks together, and
+    top-1 / median."""
+    magnitudes = torch.cat([v.abs().flatten() for v in values])
+    tops = magnitudes.topk(min(top_k, magnitudes.numel())).values
+    median = exact_median(magnitudes)
+    return {"top": tops.tolist(), "median": median, "ratio": tops[0].item() / median}
 
 
 def activation_tensors(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer the attention logits [B, heads (DIFF: branch 1's, then branch 2's), T, T], recomputed from each
-    attention's input by a forward pre-hook, and every layer output's hidden states [B, T, hidden]."""
+    attention's input by a forward pre-hook, and each decoder layer's output [B, T, hidden] (the residual stream after
+    the layer, as the paper's Table 5 measures it), read by a forward hook. Not `output_hidden_states`: its last entry
+    is the final norm's output, which replaces the last layer's."""
     logits: list[torch.Tensor] = []
+    hidden: list[torch.Tensor] = []
 
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"]  # Llama's decoder layer passes it by name
-        logits.append(attention_logits(module, hidden, kwargs["position_embeddings"]))
+    def attention_hook(module, args, kwargs):
+        states = kwargs["hidden_states"]  # Llama's decoder layer passes it by name
+        logits.append(attention_logits(module, states, kwargs["position_embeddings"]))
 
-    modules = [layer.self_attn for layer in model.model.layers]
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    def layer_hook(module, args, output):
+        hidden.append(output[0] if isinstance(output, tuple) else output)
+
+    layers = model.model.layers
+    handles = [layer.self_attn.register_forward_pre_hook(attention_hook, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(layer_hook) for layer in layers]
     try:
         with torch.no_grad():
-            hidden = model(input_ids.to(model.device), output_hidden_states=True).hidden_states[1:]
+            model(input_ids.to(model.device))
     finally:
         for handle in handles:
             handle.remove()
-    return logits, list(hidden)
+    return logits, hidden
 
 
 def causal_entries(scores: torch.Tensor) -> torch.Tensor:
@@ -479,7 +530,7 @@ def branches(module: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tenso
 
 def activation_outliers(model, input_ids: torch.Tensor, top_k: int = 3) -> dict:
     """Table 5: attention logits (causal entries, per layer; both branches pooled, as the paper's Table 5 has one
-    figure per model) and hidden states (every layer output); for differential layers also each branch alone
+    figure per model) and hidden states (every decoder layer's output); for differential layers also each branch alone
     ("attention_logits, branch 1" / "branch 2")."""
     check(top_k >= 1, f"top_k must be at least 1, got {top_k}")
     check(input_ids.shape[-1] >= 1, "input_ids is empty: give at least one token")
@@ -513,6 +564,6 @@ def outlier_reports(models: dict[str, tuple], length: int, top_k: int, seed: int
 
 __all__ = [
     "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "allocation", "attention_noise",
-    "activation_outliers", "activation_tensors", "noise_table", "outlier_table", "needle_table",
-    "attention_noise_reports", "outlier_reports",
+    "activation_outliers", "activation_tensors", "exact_median", "magnitude_stats", "threshold_sweep", "noise_table",
+    "outlier_table", "needle_table", "attention_noise_reports", "outlier_reports",
 ]
