@@ -288,7 +288,7 @@ def figure_maps(model, tokenizer, prompt) -> dict:
             "where": f"layer {layer}, head {head}"}
 
 
-# --- §3.8 of the paper: activation outliers and low-bit quantization, measured on the saved models (issue #34) ---
+# --- §3.8 of the paper: activation outliers and low-bit quantization, measured on the saved models ---
 
 QUANT_BITS = (8, 6, 4)
 TOP_K = 10  # the outlier table reports top-1 and top-10 magnitudes over the median
@@ -474,7 +474,7 @@ def check_saved(unit: tuple) -> dict:
         raise SavedRunError(f"{stored.name}: not stored; run the same command without --from-saved to train it")
     row = torch.load(stored, weights_only=True)
     if "model_sha256" not in row:
-        raise SavedRunError(f"{stored.name}: stored before runs saved their model (issue #34); {retrain}")
+        raise SavedRunError(f"{stored.name}: stored before runs saved their model; {retrain}")
     if not (folder / "model.safetensors").is_file():
         raise SavedRunError(f"{stored.name}: its saved model {folder} is missing; {retrain}")
     if (digest := weights_sha256(folder)) != row["model_sha256"]:
@@ -605,10 +605,10 @@ def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
 
 
 def has_saved_model(stored: Path) -> bool:
-    """Whether a stored run recorded its saved model; one stored before issue #34 did not and is trained again."""
+    """Whether a stored run recorded its saved model; one stored before runs saved their model did not and is trained again."""
     if "model_sha256" in torch.load(stored, weights_only=True):
         return True
-    print(f"training {stored.name} again: it was stored before runs saved their model (issue #34)", flush=True)
+    print(f"training {stored.name} again: it was stored before runs saved their model", flush=True)
     return False
 
 

@@ -343,3 +343,16 @@ def test_readme_main_command_on_a_fresh_copy(tmp_path, block):
     accuracy = float(re.search(r"retrieval accuracy on held-out prompts: ([\d.]+)", output).group(1))
     assert accuracy >= 0.95, f"held-out retrieval accuracy {accuracy} (README: >= 0.95)"
     assert "generated: k3 v7 k9 v2 ? k9 v2" in result.stdout, result.stdout[-2000:]
+
+
+TRACKER_WORDS = re.compile(r"\bissue #\d+|\b(?:machines|GPUs) we use\b", re.IGNORECASE)
+
+
+def test_project_text_speaks_of_the_project():
+    """No tracker numbers or "we use" in what the repository shows (HISTORY.md records history and may)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{name}:{number}: {line.strip()}" for name in listed
+             if name.endswith((".py", ".md", ".txt", ".ipynb", ".toml", ".cfg")) and not name.endswith("HISTORY.md")
+             for number, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+             if TRACKER_WORDS.search(line) and name != "tests/test_readme.py"]
+    assert not found, "\n".join(found)
