@@ -414,7 +414,9 @@ def init_lines(results: dict) -> list[str]:
     chosen, best = results["chosen_init"], results["best_init"]
     default = (f"the package's default for new models (`DiffConfig().embedding_multiplier` = sqrt(hidden)) is "
                f"`{PACKAGE_DEFAULT}`" + (", the same" if chosen == PACKAGE_DEFAULT else ", not the same"))
-    lines += ["", f"DIFF's lowest mean final loss is at `{chosen}`, where the controls below run; {default}. Each "
+    where = ("where the controls below run" if results["studies"].get("controls") else
+             "where the controls run (not in this results.json: `--without-controls`)")
+    lines += ["", f"DIFF's lowest mean final loss is at `{chosen}`, {where}; {default}. Each "
               "family's best: " + ", ".join(f"{m} `{best[m]}`" for m in MODELS)
               + "; the result above compares each at its best.", "",
               "Learning-rate sweeps (final validation loss after the sweep budget, seed 0):", "",
@@ -637,8 +639,7 @@ def import_stored_runs(out: Path) -> None:
             for value in node.values():
                 walk(value)
 
-    walk(json.loads(path.read_text()).get("runs", {}))
-    walk(json.loads(path.read_text()).get("studies", {}))
+    walk(json.loads(path.read_text()))
 
 
 def best_lr(cfg: dict, sweep: dict) -> float:
@@ -649,7 +650,25 @@ def mean_final(seeds: dict) -> float:
     return float(np.mean([run["curve"][-1]["val_loss"] for run in seeds.values()]))
 
 
-def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int) -> dict:
+def unreported_runs(out: Path, results: dict) -> list[dict]:
+    """Finished runs in the store that `results` does not report (controls of a run stopped before them), kept in
+    results.json so that a clone resumes from them."""
+    reported = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict) and "settings" in node:
+            reported.add(json.dumps(node["settings"], sort_keys=True))
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+
+    walk({k: v for k, v in results.items() if k != "unreported_runs"})
+    stored = [json.loads(path.read_text()) for path in sorted((out / "runs").glob("*.json"))]
+    return [run for run in stored if json.dumps(run["settings"], sort_keys=True) not in reported]
+
+
+def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int,
+            with_controls: bool = True) -> dict:
     """Every initialisation for both families (each with its own learning-rate sweep, then every seed); the
     initialisation with DIFF's lowest mean final loss is the chosen one; the controls run on it, each with its own
     sweep. Runs go to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
@@ -695,7 +714,7 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, thre
         chosen = min(INITS, key=lambda init: mean_final(inits[init]["DIFF"]["seeds"]))
         best = {m: min(INITS, key=lambda init: mean_final(inits[init][m]["seeds"])) for m in MODELS}
         print(f"chosen initialisation (DIFF's lowest mean final loss): {chosen}; per family: {best}", flush=True)
-        controls = study(list(CONTROLS), [chosen])[chosen]
+        controls = study(list(CONTROLS), [chosen])[chosen] if with_controls else {}
     finally:
         if pool:
             pool.close()
@@ -703,9 +722,9 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, thre
     skip = sum(s <= round(cfg["warmup"] * cfg["steps"]) for s in eval_steps(cfg["steps"], cfg["points"]))
     return {"config": cfg, "corpus": corpus, "quick": quick, "fit_skip": skip, "chosen_init": chosen,
             "best_init": best, "lr": {m: inits[best[m]][m]["lr"] for m in MODELS},
-            "parameters": {m: parameter_count(m, cfg) for m in MODELS + CONTROLS},
+            "parameters": {m: parameter_count(m, cfg) for m in MODELS + tuple(controls)},
             "runs": {"main": {m: inits[best[m]][m]["seeds"] for m in MODELS},
-                     "controls": {m: controls[m]["seeds"] for m in CONTROLS}},
+                     "controls": {m: controls[m]["seeds"] for m in controls}},
             "studies": {"inits": inits, "controls": controls}}
 
 
@@ -720,6 +739,8 @@ def main() -> None:
     parser.add_argument("--from-saved", action="store_true", help="rewrite report.md from results.json, no training")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+    parser.add_argument("--without-controls", action="store_true",
+                        help="the initialisation study and the result only (the controls take about as long again)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per main run (overrides the default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3)")
     args = parser.parse_args()
@@ -736,7 +757,8 @@ def main() -> None:
             cfg["steps"] = args.steps
         if args.seeds:
             cfg["seeds"] = args.seeds
-        results = run_all(cfg, out, args.corpus_dir, args.quick, args.jobs, args.threads)
+        results = run_all(cfg, out, args.corpus_dir, args.quick, args.jobs, args.threads, not args.without_controls)
+        results["unreported_runs"] = unreported_runs(out, results)
         results["command"] = shlex.join(["python", "benchmarks/lm_scaling.py", *sys.argv[1:]])
         write_json(out / "results.json", results)
         plot(results, out / "loss.png")

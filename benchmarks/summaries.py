@@ -285,7 +285,9 @@ def lm_scaling(root: Path) -> str:
     finals = module.final_losses(results, chosen)
     lrs = {m: study[chosen][m]["lr"] for m in module.MODELS}
     lrs |= {m: entry["lr"] for m, entry in results["studies"]["controls"].items()}
-    lines += ["", f"Controls at `{chosen}`, each with its own learning-rate sweep:", "",
+    heading = (f"Controls at `{chosen}`, each with its own learning-rate sweep:" if results["studies"]["controls"]
+               else f"At `{chosen}` (its controls are not in this results.json: `--without-controls`):")
+    lines += ["", heading, "",
               "| model | parameters | learning rate | final validation loss | elsewhere, same measurement |",
               "|---|---|---|---|---|"]
     for name in (*module.MODELS, *(m for m in module.CONTROLS if m in finals)):

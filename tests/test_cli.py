@@ -55,7 +55,10 @@ def test_train_default_task_then_generate(tmp_path, capsys):
     quarters = re.findall(r"^step (\d+)/30: loss \d+\.\d{4}$", output, flags=re.MULTILINE)
     # a few lines, not every log: off a terminal (as here) the first log's too, to show that training started
     assert quarters == ["1", "8", "15", "23", "30"] and "{'loss'" not in output, output
-    assert re.search(r"^retrieval accuracy on held-out prompts: [01]\.\d{3}$", output, flags=re.MULTILINE), output
+    accuracy = re.search(r"^retrieval accuracy on held-out prompts: ([01]\.\d{3})$", output, flags=re.MULTILINE)
+    assert accuracy, output
+    stored = json.loads((folder / "eval_results.json").read_text())["results"]
+    assert [(r["metric"], round(r["value"], 3)) for r in stored] == [("accuracy", float(accuracy.group(1)))]
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert isinstance(model, DiffForCausalLM)
     # the package's default initialisation: embeddings x sqrt(hidden), written to config.json

@@ -88,6 +88,27 @@ def test_model_card_metadata(prepared):
     assert metadata["license"] == "mit" and "diff-transformer" in metadata["tags"]
     assert metadata["base_model"] == "meta-llama/Llama-3.2-1B"
     assert "trust_remote_code=True" in text and "| `hidden_size` | `64` |" in text
+    assert "model-index" not in metadata and "Nothing measured on this folder" in text  # nothing invented
+
+
+def test_model_index_from_the_folders_stored_evaluation(tmp_path):
+    """eval_results.json (what `diff-transformer train` measured) becomes the card's model-index, which
+    huggingface_hub parses back to the stored value."""
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    folder = save_tiny_folder(tmp_path / "model")
+    stored = {"task": "text-generation", "dataset": "diff-transformer key/value retrieval (built-in, synthetic)",
+              "dataset_config": "16 keys, 2 pairs", "split": "held-out prompts", "metric": "accuracy",
+              "value": 0.985, "command": "diff-transformer train"}
+    (folder / "eval_results.json").write_text(json.dumps({"results": [stored]}))
+    result = run_upload(str(folder), "someone/diff-tiny", "--dry-run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (folder / "README.md").read_text()
+    name, results = model_index_to_eval_results(yaml.safe_load(text.split("---\n")[1])["model-index"])
+    assert name == "diff-tiny" and len(results) == 1
+    assert (results[0].metric_type, results[0].metric_value, results[0].dataset_split) == (
+        "accuracy", 0.985, "held-out prompts")
+    assert "| diff-transformer key/value retrieval (built-in, synthetic) | held-out prompts | accuracy | 0.985 |" in text
 
 
 def test_folder_loads_without_package(prepared, tmp_path):

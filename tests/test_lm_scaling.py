@@ -268,3 +268,24 @@ def test_head_layouts_keep_every_projection_shape(name):
         assert isinstance(attention.subln, torch.nn.Identity) == (name == "DIFF-noSubLN")
     assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4,
                                                           "DIFF-lambda0": 2, "DIFF-noSubLN": 2, "DIFF-V2": 4}[name]
+
+
+def test_unreported_runs_travel_in_results_and_come_back(tmp_path):
+    """Runs in the store that results.json does not report (controls of a stopped run) are kept in it, and a clone
+    with results.json alone gets every run back into its store."""
+    results = fake_results()
+    reported = results["studies"]["inits"]["llama"]["DIFF"]["seeds"]["0"]
+    reported["settings"] = {"model": "DIFF", "lr": 4e-3, "seed": 0, "steps": 10, "corpus": "a" * 64}
+    pending = {"model": "DIFF-V2", "lr": 2e-3, "seed": 1, "steps": 10, "corpus": "a" * 64}
+    for settings in (reported["settings"], pending):
+        lm_scaling.cached_run(tmp_path, settings, lambda: {"curve": law(1.5, 0.5, 0.3), "seconds": 1.0})
+    results["unreported_runs"] = lm_scaling.unreported_runs(tmp_path, results)
+    assert [run["settings"] for run in results["unreported_runs"]] == [pending]
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / "results.json").write_text(json.dumps(results))
+    lm_scaling.import_stored_runs(clone)
+    assert len(list((clone / "runs").glob("*.json"))) == 2
+    calls = []
+    lm_scaling.cached_run(clone, pending, lambda: calls.append(1) or {})
+    assert not calls, "an imported run was trained again"

@@ -391,6 +391,22 @@ def save_training_args(args: argparse.Namespace, result, folder: Path, start: in
     (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
+def retrieval_result(task, accuracy: float) -> dict:
+    """One entry of eval_results.json: the built-in task's held-out retrieval accuracy."""
+    return {"task": "text-generation", "dataset": "diff-transformer key/value retrieval (built-in, synthetic)",
+            "dataset_config": f"{task.num_keys} keys, {task.num_pairs} pairs", "split": "held-out prompts",
+            "metric": "accuracy", "value": round(accuracy, 4),
+            "command": "diff-transformer train (retrieval_accuracy over 200 held-out prompts)"}
+
+
+def save_eval_results(folder: Path, results: list[dict]) -> None:
+    """eval_results.json in a saved folder: what was measured on it (the Hub card's model-index reads it), written
+    through a temporary file and a rename."""
+    tmp = folder / "eval_results.json.tmp"
+    tmp.write_text(json.dumps({"results": results}, indent=2) + "\n")
+    os.replace(tmp, folder / "eval_results.json")
+
+
 def run_train(args: argparse.Namespace) -> None:
     output = Path(args.output)
     existing, staging = nearest_existing(output), staging_folder(output)
@@ -437,7 +453,9 @@ def run_train(args: argparse.Namespace) -> None:
     reloaded = load_checked_model(args.output).eval()
     print(f"reloaded through AutoModelForCausalLM: {type(reloaded).__name__}")
     if task is not None:
-        print(f"retrieval accuracy on held-out prompts: {retrieval_accuracy(reloaded, tokenizer, task):.3f}")
+        accuracy = retrieval_accuracy(reloaded, tokenizer, task)
+        print(f"retrieval accuracy on held-out prompts: {accuracy:.3f}")
+        save_eval_results(Path(args.output), [retrieval_result(task, accuracy)])
         prompt, answer = task.example(random.Random(args.seed + 1))
         args.prompt = args.prompt or prompt
         print(f"expected answer: {answer}")

@@ -19,7 +19,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_token
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_relative_import_files
 
@@ -154,9 +154,31 @@ def training_details(model_dir: Path) -> str:
             "training_args.json that `diff-transformer train` writes nor a Trainer checkpoint's trainer_state.json.")
 
 
+def eval_results(model_dir: Path) -> list[EvalResult]:
+    """The measurements a folder stores in eval_results.json (`diff-transformer train` writes its held-out retrieval
+    accuracy there), as the card's model-index entries; none when nothing was measured."""
+    path = model_dir / "eval_results.json"
+    if not path.is_file():
+        return []
+    return [EvalResult(task_type=r["task"], dataset_type="diff-transformer/kv-retrieval", dataset_name=r["dataset"],
+                       dataset_config=r.get("dataset_config"), dataset_split=r.get("split"), metric_type=r["metric"],
+                       metric_value=r["value"])
+            for r in read_json(path).get("results", [])]
+
+
+def evaluation_details(results: list[EvalResult]) -> str:
+    if not results:
+        return "Nothing measured on this folder was stored with it (eval_results.json)."
+    rows = [f"| {r.dataset_name} | {r.dataset_split or ''} | {r.metric_type} | {r.metric_value} |" for r in results]
+    return "\n".join(["| dataset | split | metric | value |", "| --- | --- | --- | --- |", *rows])
+
+
 def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> ModelCard:
     generation = GenerationConfig.from_pretrained(model_dir)
+    results = eval_results(model_dir)
     data = ModelCardData(
+        model_name=repo_id.split("/")[-1] if results else None,
+        eval_results=results or None,
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license,
@@ -209,9 +231,14 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         ## Training
 
         {training}
+
+        ## Evaluation
+
+        {evaluation}
         """)
     text = body.format(
         name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir),
+        evaluation=evaluation_details(results),
         max_new_tokens=generation.max_new_tokens,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
