@@ -114,7 +114,7 @@ class DiffV1Attention(DiffAttentionBase):
         self.dv, self.n_rep = dv, h // h_kv
         self.lambda_init = config.layer_lambda_init(self.layer_idx)
         self.lambda_params = ParamVector(d, ("q1", "k1", "q2", "k2"))
-        self.use_subln, self.eps = config.use_subln, config.rms_norm_eps
+        self.use_subln, self.eps = config.use_subln, config.subln_eps
         self.output_scale = 1.0 - self.lambda_init if config.use_subln else 1.0
         if config.use_subln:
             self.subln = ParamVector(dv, ("weight",))
