@@ -141,8 +141,8 @@ def model_type_problem(config: dict, folder: str, diff: bool) -> str | None:
         return f"{folder}/config.json has no \"model_type\"; restore {restore} in it"
     if diff and found != MODEL_TYPE:
         return (f"{folder} holds a '{found}' model, not a DIFF Transformer ('{MODEL_TYPE}'); convert it first with "
-                f"`diff-transformer convert {folder} OUT` (Llama, Mistral, Qwen2 and DiffLlama checkpoints), or load "
-                "it with AutoModelForCausalLM")
+                f"`diff-transformer convert {folder} OUT` (Llama, Mistral, Qwen2, DiffLlama and Motif-2 checkpoints), "
+                "or load it with AutoModelForCausalLM")
     return None
 
 
@@ -387,7 +387,8 @@ def add_generate_parser(commands, common) -> Parser:
 
 
 def add_convert_parser(commands, common) -> Parser:
-    parser = commands.add_parser("convert", parents=[common], help="convert a Llama/Mistral/Qwen2 or DiffLlama model",
+    parser = commands.add_parser("convert", parents=[common],
+                                 help="convert a Llama/Mistral/Qwen2, DiffLlama or Motif-2 model",
                                  description="Convert a checkpoint into a DIFF model with the same logits.")
     parser.add_argument("src", type=local_folder_or_hub_id, help="source folder or Hub id")
     parser.add_argument("out", help="output folder (model, generation config, tokenizer files)")
@@ -397,6 +398,9 @@ def add_convert_parser(commands, common) -> Parser:
                         help="convert a sliding-window model anyway (outputs match only within the window)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype to load and save in ('auto': the checkpoint's)")
+    parser.add_argument("--ignore-field", action="append", metavar="NAME",
+                        help="Motif-2 only: a config.json field you have checked does not change the outputs "
+                             "(the converter refuses set fields it does not know); repeatable")
     return parser
 
 

@@ -9,11 +9,13 @@ import types
 import typing
 
 from huggingface_hub.dataclasses import type_validator
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 ATTENTION_TYPES = ("differential", "standard")
+POLY_NORM = "poly_norm"  # `hidden_act` of the PolyNorm MLP (modeling_diff.PolyNorm)
 # The private keyword `from_dict` passes: a saved config's extra keys (other tools add some, e.g. transformers' tests
 # add `*_eps` fields) are kept as transformers keeps them; only a DiffConfig built in code gets the typo check. A
 # keyword, not module state, so that the class pickles by value (vLLM ships remote-code configs so) and nests.
@@ -165,8 +167,13 @@ class DiffConfig(PreTrainedConfig):
         head_dim (`int`, *optional*): q/k sub-head dim d. Paper default `hidden_size // (2 h)`.
         value_head_dim (`int`, *optional*): value/output width of a differential head. Defaults to 2d (paper);
             converted pretrained models use d.
-        lambda_init (`float`, *optional*): constant lambda_init; `None` uses the paper schedule
-            `0.8 - 0.6 exp(-0.3 layer_idx)`.
+        lambda_init (`float`, *optional*): constant lambda_init in [0, 1); `None` uses the paper schedule
+            `0.8 - 0.6 exp(-0.3 (layer_idx + lambda_init_offset))`.
+        lambda_init_offset (`int`): added to the 0-based layer index in that schedule. 0 is the paper; Motif-2
+            checkpoints use -1 (their layer 0 gets 0.8 - 0.6 e^0.3 = -0.0099). Every layer's value must lie in
+            (-1, 1), so that the output scale 1 - lambda_init stays in (0, 2); ignored when `lambda_init` is set.
+        subln_eps (`float`, *optional*): epsilon of the per-head SubLN. `None` (and a config.json without it) is
+            `rms_norm_eps`; Motif-2 checkpoints set it apart (their `attn_rms_norm_eps`).
         lambda_std_dev (`float`): std of the N(0, sigma) init of the lambda vectors.
         use_subln (`bool`): apply the per-head RMSNorm (SubLN) and the `(1 - lambda_init)` scale.
         diff_version (`int`): 1 (paper) or 2 (DIFF V2: one attention call, per-token sigmoid lambda, no SubLN).
@@ -174,6 +181,10 @@ class DiffConfig(PreTrainedConfig):
             A standard layer is Llama attention with `h * value_head_dim / head_dim` heads of dim d, which has the
             same projection shapes as a differential layer when `value_head_dim == 2 * head_dim`.
         attention_bias (`bool`): bias on q/k/v projections. attention_out_bias (`bool`): bias on o_proj.
+        hidden_act (`str`): the MLP's gate activation, `down(act(gate x) * up x)`: any of transformers' `ACT2FN`
+            names, or `"poly_norm"` (PolyNorm, arXiv 2411.03884, as Motif-2 uses it: `w0 N(z^3) + w1 N(z^2) +
+            w2 N(z) + b` with `N(z) = z / rms(z)` over the last dim, eps 1e-6; learnable `mlp.act_fn.weight` [3]
+            and `mlp.act_fn.bias` [1], initialised to 1/3 and 0).
         embedding_multiplier (`float`, *optional*): the token embeddings are multiplied by it in the forward (the
             input embedding module does, as Gemma's; the tied output head is not scaled). `None` (the default for
             a new config) is `sqrt(hidden_size)`: with Llama's N(0, 0.02) init, SubLN's unit-RMS head outputs
@@ -216,6 +227,8 @@ class DiffConfig(PreTrainedConfig):
     attention_dropout: int | float | None = 0.0
     mlp_bias: bool = False
     lambda_init: float | None = None
+    lambda_init_offset: int = 0
+    subln_eps: float | None = None
     lambda_std_dev: float = 0.1
     use_subln: bool = True
     diff_version: int = 1
@@ -248,6 +261,8 @@ class DiffConfig(PreTrainedConfig):
             self.attention_types = ["differential"] * self.num_hidden_layers
         if self.embedding_multiplier is None:
             self.embedding_multiplier = math.sqrt(self.hidden_size)
+        if self.subln_eps is None:
+            self.subln_eps = self.rms_norm_eps
         self.validate_diff()
         if self.diff_version == 2:
             self.base_model_tp_plan = V2_TP_PLAN  # an instance attribute; transformers never serializes the plan
@@ -327,7 +342,11 @@ class DiffConfig(PreTrainedConfig):
                  "num_key_value_heads", "head_dim", "value_head_dim", "max_position_embeddings")
         for name in sizes:
             check(getattr(self, name) > 0, f"{name} must be a positive integer, got {getattr(self, name)}")
-        check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("rms_norm_eps", "subln_eps"):
+            check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        check(self.hidden_act == POLY_NORM or self.hidden_act in ACT2FN,
+              f"hidden_act {self.hidden_act!r} is unknown; use '{POLY_NORM}' or one of transformers' activations "
+              "such as 'silu'")
         for name in ("initializer_range", "lambda_std_dev"):
             check(getattr(self, name) >= 0, f"{name} is a standard deviation, so >= 0; got {getattr(self, name)}")
         check(self.embedding_multiplier > 0, f"embedding_multiplier must be > 0 (1.0: unscaled embeddings, None: "
@@ -344,6 +363,7 @@ class DiffConfig(PreTrainedConfig):
             self.lambda_init is None or 0.0 <= self.lambda_init < 1.0,
             f"lambda_init must be in [0, 1) or None for the paper schedule, got {self.lambda_init}",
         )
+        self.check_lambda_schedule()
         check(
             len(self.attention_types) == self.num_hidden_layers,
             f"attention_types has {len(self.attention_types)} entries; give one per layer "
@@ -403,11 +423,25 @@ class DiffConfig(PreTrainedConfig):
         layer.__dict__.update(shape)  # a description of the cache, not a model config: no field validation
         return layer
 
+    def check_lambda_schedule(self) -> None:
+        """Refuse a `lambda_init_offset` that gives a layer a lambda_init outside (-1, 1) (output scale
+        1 - lambda_init outside (0, 2)); the schedule rises with the layer index, so layer 0 is the one to check."""
+        if self.lambda_init is not None:
+            return
+        first = self.layer_lambda_init(0)
+        self._check(
+            -1.0 < first < 1.0,
+            f"lambda_init_offset={self.lambda_init_offset} gives layer 0 lambda_init = 0.8 - 0.6 exp(-0.3 "
+            f"({self.lambda_init_offset})) = {first:.4g}, outside (-1, 1); use an offset >= -3 (0: the paper, "
+            "-1: Motif-2)",
+        )
+
     def layer_lambda_init(self, layer_idx: int) -> float:
-        """lambda_init of a layer: the constant override, else `0.8 - 0.6 exp(-0.3 layer_idx)` (0-based)."""
+        """lambda_init of a layer: the constant override, else `0.8 - 0.6 exp(-0.3 (layer_idx +
+        lambda_init_offset))` (0-based layer_idx)."""
         if self.lambda_init is not None:
             return self.lambda_init
-        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+        return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_offset))
 
 
 __all__ = ["DiffConfig", "check_local_path", "check_model_type", "unsupported_fields"]

@@ -63,7 +63,7 @@ from .attention_kernels import (
     select_kernel,
     triton_available,
 )
-from .configuration_diff import DiffConfig, check_local_path
+from .configuration_diff import POLY_NORM, DiffConfig, check_local_path
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
 from .folder_defaults import match_weight_file_modes, saved_folder_defaults
 from .kernel_common import upcast
@@ -111,6 +111,40 @@ class SubLN(LlamaRMSNorm):
         hidden_states = upcast(hidden_states)
         return self.weight * (hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True)
                                                          + self.variance_epsilon))
+
+
+POLY_NORM_EPS = 1e-6  # PolyNorm's epsilon in Motif-2 (and arXiv 2411.03884)
+
+
+class PolyNorm(nn.Module):
+    """PolyNorm (arXiv 2411.03884), the gate activation of `hidden_act="poly_norm"`:
+    `weight[0] N(z^3) + weight[1] N(z^2) + weight[2] N(z) + bias`, `N(u) = u / sqrt(mean(u^2) + eps)` over the last
+    dim, computed in fp32 (float64 for float64 inputs)."""
+
+    def __init__(self, eps: float = POLY_NORM_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((3,), 1 / 3))
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def normalized(self, u: torch.Tensor) -> torch.Tensor:
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = upcast(x)
+        w = self.weight.to(z.dtype)
+        out = w[0] * self.normalized(z**3) + w[1] * self.normalized(z**2) + w[2] * self.normalized(z)
+        return (out + self.bias.to(z.dtype)).to(x.dtype)
+
+
+def build_mlp(config: DiffConfig) -> LlamaMLP:
+    """Llama's gated MLP, `down(act(gate x) * up x)`; with `hidden_act="poly_norm"` its activation is `PolyNorm`."""
+    if config.hidden_act != POLY_NORM:
+        return LlamaMLP(config)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                               mlp_bias=config.mlp_bias, hidden_act="silu"))
+    mlp.config, mlp.act_fn = config, PolyNorm()
+    return mlp
 
 
 class DiffLambda(nn.Module):
@@ -212,7 +246,7 @@ class DiffAttention(DifferentialAttentionBase):
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
         self.use_subln = config.use_subln
-        self.subln = SubLN(dv, eps=config.rms_norm_eps) if config.use_subln else nn.Identity()  # per head
+        self.subln = SubLN(dv, eps=config.subln_eps) if config.use_subln else nn.Identity()  # per head
         self.set_lambda_init(lambda_init)
 
     def set_lambda_init(self, value: float) -> None:
@@ -323,7 +357,7 @@ class DiffDecoderLayer(LlamaDecoderLayer):
         GradientCheckpointingLayer.__init__(self)  # LlamaDecoderLayer's modules, without building its attention
         self.hidden_size = config.hidden_size
         self.self_attn = build_attention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = build_mlp(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -367,6 +401,9 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
                 init.normal_(param, mean=0.0, std=module.std)
         elif isinstance(module, Gemma3TextScaledWordEmbedding):  # a buffer, not saved: from the config
             init.constant_(module.embed_scale, module.scalar_embed_scale)
+        elif isinstance(module, PolyNorm):
+            init.constant_(module.weight, 1 / 3)
+            init.zeros_(module.bias)
 
     @classmethod
     def maybe_distribute_model(cls, model: "DiffPreTrainedModel", distributed_config, *args):

@@ -72,6 +72,8 @@ BLOCKS = {
     "on a local folder run in tests/test_hub_upload.py)",
     "class Logits(torch.nn.Module):": "slow",
     "diff-transformer convert path/to/llama runs/diff-llama": "slow",
+    "diff-transformer convert path/to/Motif-2.6B runs/motif-2.6b": SKIP + "needs a Motif-2 download; "
+    "tests/test_motif.py converts folders in the publisher's format",
     'convert_checkpoint("path/to/llama", "runs/diff-llama")': "slow",
     "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "slow",
     "diff-transformer eval-needle out/my-model": "slow",

@@ -127,12 +127,17 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
         raise ValueError(f"not a DIFF Transformer config (model_type {getattr(config, 'model_type', None)!r}); "
                          "serve it with plain vLLM")
     check_fields(config.to_dict())
+    if config.hidden_act == "poly_norm" and tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: PolyNorm (hidden_act='poly_norm') "
+                         "normalises over the whole MLP width, which tensor parallelism would shard; serve with "
+                         "tensor_parallel_size=1")
     if tensor_parallel_size not in VERIFIED_TP_SIZES or pipeline_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
                          f"{pipeline_parallel_size}: only one process is verified for DIFF models under vLLM "
                          "(docs/serving.md); serve with tensor_parallel_size=1 and pipeline_parallel_size=1")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r}: vLLM's Llama MLP computes silu only")
+    if config.hidden_act not in ("silu", "poly_norm"):
+        raise ValueError(f"hidden_act={config.hidden_act!r}: the DIFF vLLM model computes silu and poly_norm MLPs "
+                         "only")
     widths = layer_widths(config, CPU_HEAD_SIZES if cpu else None)
     sizes = kv_bytes_per_token(config, widths)
     if len(set(sizes.values())) > 1:

@@ -17,6 +17,7 @@ layer's lambda and the SubLN gain times (1 - lambda_init) once, after loading. T
 only vLLM's model registry imports it.
 """
 
+import copy
 import functools
 import warnings
 from collections.abc import Iterable
@@ -36,7 +37,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from ..diff_tensor_parallel import branch_halves_rank_major
-from ..modeling_diff import compute_lambda
+from ..configuration_diff import POLY_NORM
+from ..modeling_diff import PolyNorm, compute_lambda
 from .layout import check_servable, unexpected_weight
 
 # our projection name -> its shard in the fused qkv_proj
@@ -114,7 +116,7 @@ class DiffV1Attention(DiffAttentionBase):
         self.dv, self.n_rep = dv, h // h_kv
         self.lambda_init = config.layer_lambda_init(self.layer_idx)
         self.lambda_params = ParamVector(d, ("q1", "k1", "q2", "k2"))
-        self.use_subln, self.eps = config.use_subln, config.rms_norm_eps
+        self.use_subln, self.eps = config.use_subln, config.subln_eps
         self.output_scale = 1.0 - self.lambda_init if config.use_subln else 1.0
         if config.use_subln:
             self.subln = ParamVector(dv, ("weight",))
@@ -215,6 +217,42 @@ def build_attention(*, widths: dict[str, int], config, prefix: str, cache_config
     return attention(config, prefix, cache_config, quant_config, widths[kind])
 
 
+class PolyNormMLP(nn.Module):
+    """`down(PolyNorm(gate x) * up x)` with vLLM's fused gate/up GEMM; PolyNorm is the model's own module
+    (modeling_diff.py, fp32), whose norms span the whole intermediate dim: one process only (layout.py)."""
+
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=config.mlp_bias, quant_config=quant_config,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = PolyNorm()
+        for parameter in self.act_fn.parameters():
+            parameter.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)[0].chunk(2, dim=-1)  # [T, intermediate] each
+        out, _ = self.down_proj(self.act_fn(gate) * up)
+        return out
+
+
+class DiffDecoderLayer(LlamaDecoderLayer):
+    """vLLM's Llama decoder layer; with `hidden_act="poly_norm"` its MLP is `PolyNormMLP` (vLLM's Llama MLP takes
+    silu only, so the layer is built with silu and its MLP replaced)."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None, **kwargs):
+        config = config or vllm_config.model_config.hf_config
+        poly_norm = config.hidden_act == POLY_NORM
+        built = copy.copy(config)
+        if poly_norm:
+            built.hidden_act = "silu"
+        super().__init__(vllm_config, prefix, built, **kwargs)
+        if poly_norm:
+            self.mlp = PolyNormMLP(config, self.get_quant_config(vllm_config), f"{prefix}.mlp")
+
+
 class DiffModel(LlamaModel):
     """vLLM's Llama body, its token embeddings multiplied by `embedding_multiplier` as transformers' model does
     (a float32 scalar cast to the embeddings' dtype, then the product)."""
@@ -241,7 +279,7 @@ class DiffForCausalLM(LlamaForCausalLM):
                           "is, docs/serving.md): compare its greedy tokens with transformers' before relying on it",
                           stacklevel=2)
         attention = functools.partial(build_attention, widths=widths)
-        layer = functools.partial(LlamaDecoderLayer, attn_layer_type=attention)
+        layer = functools.partial(DiffDecoderLayer, attn_layer_type=attention)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer)
 
     def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type: type[nn.Module] = LlamaDecoderLayer):

@@ -548,13 +548,17 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> None:
+    from . import motif
     from .convert import added_parameters, convert_checkpoint
 
     options = {} if args.layers is None else {"layers": args.layers}
     if args.allow_sliding_window:
         options["allow_sliding_window"] = True
+    if args.ignore_field:
+        options["ignore_fields"] = tuple(args.ignore_field)
     model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
-    added = added_parameters(model)
+    is_motif = Path(args.src).is_dir() and motif.is_motif_folder(args.src)
+    added = motif.added_parameters(motif.read_config(args.src)) if is_motif else added_parameters(model)
     print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
           f"{added:,} parameters added ({added / (model.num_parameters() - added):+.2%})")
 

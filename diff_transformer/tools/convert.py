@@ -18,7 +18,7 @@ These are tools, not Hub code: `modeling_diff.py` does not import this module.
 
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -44,7 +44,8 @@ def check_supported(config: PreTrainedConfig) -> None:
     if config.model_type not in SUPPORTED:
         raise ValueError(
             f"cannot convert model_type '{config.model_type}' ({type(config).__name__}): supported are "
-            f"{', '.join(SUPPORTED)} (Llama-style pre-RMSNorm decoders with rotate_half RoPE and SwiGLU)"
+            f"{', '.join(SUPPORTED)} (Llama-style pre-RMSNorm decoders with rotate_half RoPE and SwiGLU), and "
+            "local Motif-2 folders"
         )
 
 
@@ -186,12 +187,21 @@ def import_diffllama(source: PreTrainedModel) -> DiffForCausalLM:
     return build_target(config, state, source)
 
 
-def build_target(config: DiffConfig, state: dict, source: PreTrainedModel) -> DiffForCausalLM:
-    dtype = next(source.parameters()).dtype
+def load_target(config: DiffConfig, state: dict, dtype: torch.dtype,
+                check: Callable[[dict, DiffForCausalLM], None] | None = None) -> DiffForCausalLM:
+    """A `DiffForCausalLM` of `config` in `dtype` holding `state` (all of its weights; `check(state, model)` may
+    refuse them first), in eval mode."""
     model = DiffForCausalLM._from_config(config, dtype=dtype)
+    if check is not None:
+        check(state, model)
     model.load_state_dict(state, strict=True)
-    model.generation_config = source.generation_config
     return model.eval()
+
+
+def build_target(config: DiffConfig, state: dict, source: PreTrainedModel) -> DiffForCausalLM:
+    model = load_target(config, state, next(source.parameters()).dtype)
+    model.generation_config = source.generation_config
+    return model
 
 
 def convert(source: PreTrainedModel, **options) -> DiffForCausalLM:
@@ -211,7 +221,17 @@ def copy_tokenizer(src: str, out: str) -> list[str]:
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "auto", **options) -> DiffForCausalLM:
-    """Load `src` (folder or Hub id), convert, save model, generation config and tokenizer files to `out`."""
+    """Load `src` (folder or Hub id), convert, save model, generation config and tokenizer files to `out`. A local
+    Motif-2 folder goes to `motif.convert_motif` (its only option: `ignore_fields`)."""
+    from .motif import convert_motif, is_motif_folder
+
+    if Path(src).is_dir() and is_motif_folder(src):
+        if set(options) - {"ignore_fields"}:
+            raise ValueError(f"{', '.join(sorted(set(options) - {'ignore_fields'}))} do(es) not apply to Motif-2 "
+                             "checkpoints, which convert whole (every layer is differential already)")
+        return convert_motif(src, out, dtype, **options)
+    if "ignore_fields" in options:
+        raise ValueError("ignore_fields applies to Motif-2 checkpoints only")
     check_supported(AutoConfig.from_pretrained(src))
     source = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     model = convert(source, **options)

@@ -190,3 +190,13 @@ def test_no_chat_template_message(tmp_path):
     tok = build_word_tokenizer(WORDS)
     with pytest.raises(Exception, match="no chat template.*diff-transformer train --chat-template"):
         tok.apply_chat_template([{"role": "user", "content": "w1"}], chat_template=server.NO_CHAT_TEMPLATE)
+
+
+def test_poly_norm_serves_on_one_process_only():
+    """PolyNorm normalises over the whole MLP width, which tensor parallelism would shard: refused by name before
+    any engine starts; on one process the folder's head widths come back."""
+    config = DiffConfig(hidden_size=128, intermediate_size=192, num_attention_heads=4, head_dim=16,
+                        hidden_act="poly_norm", lambda_init_offset=-1)
+    with pytest.raises(ValueError, match="PolyNorm.*tensor_parallel_size=1"):
+        layout.check_servable(config, tensor_parallel_size=2)
+    assert layout.check_servable(config) == {"differential": 32, "standard": 32}

@@ -192,6 +192,28 @@ def test_offline_generate_matches_transformers(case, tmp_path):
         shut_down(llm)
 
 
+def test_converted_motif_folder_matches_transformers(tmp_path):
+    """A Motif-2.6B-format folder (PolyNorm MLP with biases, GQA after the pairing, lambda_init offset -1, its own
+    SubLN epsilon, untied head) converted by `diff-transformer convert`, served as any DIFF folder."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from motif_format import BASE, random_weights, write_motif_folder
+
+    from diff_transformer.tools.motif import convert_motif
+
+    tok = tokenizer()
+    fields = {**BASE, "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256, "use_bias": True,
+              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    source = write_motif_folder(tmp_path / "motif", fields, random_weights(fields, seed=1))
+    tok.save_pretrained(source)
+    convert_motif(source, tmp_path / "diff")
+    llm = new_engine(tmp_path / "diff")
+    try:
+        check_case("motif", tmp_path / "diff", llm)
+    finally:
+        shut_down(llm)
+
+
 def test_transformers_backend_is_refused(tmp_path):
     folder = save_folder(tmp_path / "v2", **CASES["v2_gqa"])
     with pytest.raises(Exception, match="cannot run on vLLM's Transformers backend"):

@@ -1,0 +1,204 @@
+"""Motif-2 import (diff_transformer/tools/motif.py): tiny random folders written in the publisher's format (its
+config.json keys, weight names and row orders, safetensors sharded with an index) are converted and compared with a
+float64 reference of the published math (motif_format.py: vLLM 0.10.2's Motif port and its differential backend,
+mlx-motif's model), which reads the *unconverted* weights and uses no package code. Planted faults in the reference
+(adjacent pairing, the lambda_init offset, the PolyNorm order, the GDA grouping) must each be caught. A converted
+folder then works as any DIFF folder: generate, save / reload, LoRA with the project's defaults, and
+trust_remote_code without the package. MOTIF_CHECKPOINT=FOLDER compares a real download with the publisher's code."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from motif_format import BASE, CASES, FAULTS, random_weights, reference_logits, write_motif_folder
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.tools.motif import MotifFormatError, added_parameters, convert_motif, import_motif
+
+# fp32 logits of a converted model vs the float64 reference: the largest error measured over CASES is 5.4e-6
+# (gda-tied; logits up to ~5, three layers with PolyNorm's cubes); a planted fault moves them by 1.3 or more.
+ATOL = 2e-5
+
+# ---- tests -----------------------------------------------------------------------------------------------------
+
+IDS = torch.randint(0, 61, (12,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory) -> tuple[dict, dict, DiffForCausalLM, Path]:
+    fields = {**BASE, **CASES[request.param]}
+    weights = random_weights(fields)
+    root = tmp_path_factory.mktemp(request.param)
+    source = write_motif_folder(root / "motif", fields, weights)
+    model = convert_motif(source, root / "diff")
+    return fields, weights, model, root / "diff"
+
+
+def max_error(model: DiffForCausalLM, weights: dict, fields: dict, fault: str | None = None) -> float:
+    with torch.no_grad():
+        logits = model(IDS[None]).logits[0].double()
+    return (logits - reference_logits(weights, fields, IDS, fault)).abs().max().item()
+
+
+def test_logits_match_the_float64_reference(converted):
+    fields, weights, model, _ = converted
+    assert model.dtype == torch.float32
+    error = max_error(model, weights, fields)
+    assert error < ATOL, f"converted fp32 logits vs float64 reference: max error {error:.3g}"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_planted_faults_are_caught(converted, fault):
+    """Each fault the reference can plant (and a converter could make) moves the logits far past ATOL; a fault
+    that cannot occur in a layout (GDA grouping with one signal head per group, the adjacent pairing of the GDA
+    split) is skipped."""
+    fields, weights, model, _ = converted
+    grouped = "num_noise_heads" in fields
+    if (fault == "gda_grouping") != grouped or (fault == "pairing" and grouped):
+        pytest.skip(f"{fault} does not apply to this layout")
+    error = max_error(model, weights, fields, fault)
+    assert error > 100 * ATOL, f"{fault} planted in the reference changes the logits by only {error:.3g}"
+
+
+def test_converted_folder_config_and_files(converted):
+    fields, _, model, folder = converted
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "diff_transformer" and config["hidden_act"] == "poly_norm"
+    assert config["lambda_init_offset"] == -1 and config["subln_eps"] == fields["attn_rms_norm_eps"]
+    assert config["embedding_multiplier"] == 1.0
+    assert {"modeling_diff.py", "configuration_diff.py", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in folder.iterdir()}
+    reloaded = DiffForCausalLM.from_pretrained(folder).eval()
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    with torch.no_grad():  # equal weights; only the memory layout of the loaded tensors may reorder fp32 sums
+        gap = (reloaded(IDS[None]).logits - model(IDS[None]).logits).abs().max().item()
+    assert gap < ATOL, f"reloaded folder's logits differ by {gap:.3g}"
+
+
+def test_added_parameters_are_the_noise_copies(converted):
+    fields, weights, model, _ = converted
+    added = model.num_parameters() - sum(w.numel() for w in weights.values())
+    assert added == added_parameters(fields), (added, added_parameters(fields))
+
+
+def test_generate_matches_full_forwards(converted):
+    """Greedy `generate` (cache) against argmax of full forwards without cache."""
+    _, _, model, _ = converted
+    prompt = IDS[None, :5]
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            sequence = torch.cat([sequence, model(sequence, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, sequence)
+
+
+def test_lora_with_the_project_defaults_trains_and_merges(converted):
+    """LoRA on the default targets plus the differential parameters (`DIFF_TRAINABLE_MODULES`), a few steps of one
+    memorised batch: the loss falls, PolyNorm stays frozen, and the merged model gives the adapter's logits."""
+    from peft import LoraConfig, get_peft_model
+    from test_peft import MERGE_ATOL, train
+
+    from diff_transformer.peft_defaults import DIFF_TRAINABLE_MODULES, LORA_TARGET_MODULES
+
+    _, _, model, folder = converted
+    base = DiffForCausalLM.from_pretrained(folder)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           modules_to_save=list(DIFF_TRAINABLE_MODULES)))
+    assert lora.peft_config["default"].target_modules == set(LORA_TARGET_MODULES)
+    batch = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(5))
+    losses = train(lora, batch, steps=8)
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert not any(p.requires_grad for n, p in lora.named_parameters() if "act_fn" in n)
+    lora.eval()
+    with torch.no_grad():
+        expected = lora(batch).logits
+        merged = lora.merge_and_unload()
+        gap = (merged(batch).logits - expected).abs().max().item()
+    assert type(merged) is DiffForCausalLM and gap < MERGE_ATOL, gap
+
+
+def test_folder_loads_with_trust_remote_code_without_the_package(converted, tmp_path):
+    """The converted folder's own code (PolyNorm, the lambda offset, the SubLN epsilon) computes the reference
+    logits in a fresh interpreter where `diff_transformer` cannot be imported."""
+    from test_saved_folder import run_without_package
+
+    fields, weights, _, folder = converted
+    torch.save(reference_logits(weights, fields, IDS), tmp_path / "expected.pt")
+    output = run_without_package(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor([{IDS.tolist()}])
+        with torch.no_grad():
+            logits = model(ids).logits[0].double()
+        print("MODULE", type(model).__module__)
+        print("ERROR", (logits - torch.load({str(tmp_path / "expected.pt")!r})).abs().max().item())
+    """, tmp_path)
+    assert "transformers_modules" in output.split("MODULE ", 1)[1].split()[0], output
+    assert float(output.split("ERROR ", 1)[1].split()[0]) < ATOL, output
+
+
+def test_cli_converts_a_motif_folder(tmp_path, capsys):
+    from diff_transformer_cli import main
+
+    fields = {**BASE, **CASES["gda-tied"]}
+    weights = random_weights(fields)
+    write_motif_folder(tmp_path / "motif", fields, weights)
+    main(["convert", str(tmp_path / "motif"), str(tmp_path / "diff")])
+    printed = capsys.readouterr().out
+    assert f"{added_parameters(fields):,} parameters added" in printed, printed
+    model = DiffForCausalLM.from_pretrained(tmp_path / "diff").eval()
+    assert max_error(model, weights, fields) < ATOL
+
+
+def motif_fields(**overrides) -> dict:
+    return {**BASE, **CASES["v1-gqa-untied-bias"], **overrides}
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    (dict(k_ratio=2, num_noise_heads=2), "k_ratio"),
+    (dict(hidden_act="silu"), "hidden_act"),
+    (dict(scale_emb=12.0), "scale_emb"),
+    (dict(use_qk_norm=True), "use_qk_norm"),
+])
+def test_fields_that_change_the_math_are_refused_by_name(tmp_path, overrides, named):
+    fields = motif_fields(**overrides)
+    write_motif_folder(tmp_path, fields, random_weights(motif_fields()))
+    with pytest.raises(MotifFormatError, match=named):
+        import_motif(tmp_path)
+
+
+def test_unset_unknown_fields_pass_and_ignore_fields_acknowledges(tmp_path):
+    fields = motif_fields(use_qk_norm=False, moe=None, wesar_weights=True)
+    weights = random_weights(fields)
+    write_motif_folder(tmp_path, fields, weights)
+    model = import_motif(tmp_path, ignore_fields=("wesar_weights",))
+    assert max_error(model, weights, fields) < ATOL
+
+
+def test_unexpected_weight_is_named(tmp_path):
+    fields = motif_fields()
+    weights = {**random_weights(fields), "model.layers.0.self_attn.q_norm.weight": torch.ones(8)}
+    write_motif_folder(tmp_path, fields, weights)
+    with pytest.raises(MotifFormatError, match="q_norm"):
+        import_motif(tmp_path)
+
+
+@pytest.mark.skipif(not os.environ.get("MOTIF_CHECKPOINT"), reason="set MOTIF_CHECKPOINT to a downloaded Motif-2 "
+                    "folder (its remote code runs with trust_remote_code=True)")
+def test_real_checkpoint_matches_the_publishers_code(tmp_path):
+    """Opt-in: logits of the converted folder against the publisher's remote code, fp32, on a short prompt."""
+    from transformers import AutoModelForCausalLM
+
+    source = os.environ["MOTIF_CHECKPOINT"]
+    model = convert_motif(source, tmp_path / "diff", dtype="float32")
+    publisher = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.arange(100, 132)[None]
+    with torch.no_grad():
+        expected, actual = publisher(ids).logits, model(ids).logits
+    error = (actual - expected).abs().max().item()
+    assert error < 1e-3 * expected.abs().max().item(), f"max error {error:.3g}"
