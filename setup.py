@@ -1,8 +1,13 @@
+import re
+from pathlib import Path
+
 from setuptools import setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"', Path("diff_transformer/_version.py").read_text()).group(1)
 
 setup(
     name="diff-transformer",
-    version="0.1.0",
+    version=VERSION,
     description="The Differential Transformer (arXiv 2410.05258) as a first-class Hugging Face model",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -7,6 +7,7 @@ import transformers
 from transformers import AutoConfig
 
 from . import modeling_diff
+from ._version import __version__
 from .configuration_diff import DiffConfig
 from .folder_defaults import AUTO_MODEL_CLASSES
 from .modeling_diff import (
@@ -37,6 +38,7 @@ def register_auto_classes() -> None:
 register_auto_classes()
 
 __all__ = [
+    "__version__",
     "DiffConfig",
     "DiffPreTrainedModel",
     "DiffModel",
