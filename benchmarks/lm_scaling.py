@@ -526,7 +526,8 @@ def render(results: dict) -> str:
         f"(paper: ~{1 / PAPER_RATIO:.2f}).",
         "- Without a fit (DIFF's mean curve, interpolated in log T, crossing Llama's mean final loss): "
         + (f"{interp:.2f}." if interp is not None else "no crossing within the measured range."),
-        "- Training time per run on one CPU core (one thread, evaluations included): "
+        "- Wall time per run, one thread each, evaluations included (runs shared the machine's cores with other work, "
+        "so read these as rough): "
         + ", ".join(f"{m} {np.mean([runs['main'][m][str(s)]['seconds'] for s in cfg['seeds']]):.0f} s" for m in MODELS)
         + ".",
         *init_lines(results),
@@ -635,8 +636,8 @@ def import_stored_runs(out: Path) -> None:
     def walk(node: object) -> None:
         if isinstance(node, dict) and "settings" in node and "curve" in node:
             cached_run(out, node["settings"], lambda: {k: v for k, v in node.items() if k != "settings"})
-        elif isinstance(node, dict):
-            for value in node.values():
+        elif isinstance(node, dict | list):
+            for value in node.values() if isinstance(node, dict) else node:
                 walk(value)
 
     walk(json.loads(path.read_text()))
