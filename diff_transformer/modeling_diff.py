@@ -366,9 +366,6 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
     config: DiffConfig
     config_class = DiffConfig
     _no_split_modules = ["DiffDecoderLayer"]
-    # V2's per-token lambda gate (h outputs): never quantized (a quantizer's CPU kernels may need widths in
-    # multiples of 32, and the gate's error would multiply the second map), kept in fp32 when loading in fp16
-    _keep_in_fp32_modules = ["lambda_proj"]
     _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": list(ATTENTION_CLASSES)}
 
     @classmethod
@@ -393,6 +390,14 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
             result = super().save_pretrained(save_directory, *args, **kwargs)
         match_weight_file_modes(save_directory)
         return result
+
+    def post_init(self) -> None:
+        """transformers' post_init; a DIFF V2 model keeps its per-token lambda gate (h outputs) out of quantization
+        (a quantizer's CPU kernels may need widths in multiples of 32, and the gate's error would scale the second
+        map) and in fp32 when loaded in fp16: `_keep_in_fp32_modules`, set only where the model has the module."""
+        if self.config.diff_version == 2:
+            self._keep_in_fp32_modules = ["lambda_proj"]
+        super().post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

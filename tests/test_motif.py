@@ -120,6 +120,40 @@ def test_lora_with_the_project_defaults_trains_and_merges(converted):
     assert type(merged) is DiffForCausalLM and gap < MERGE_ATOL, gap
 
 
+def test_trainer_lora_then_pipeline_on_a_converted_folder(converted, tmp_path):
+    """transformers' Trainer fine-tunes a converted folder with LoRA on the project's defaults (the loss falls), and
+    pipeline("text-generation") on the merged model, with a word tokenizer over the folder's vocabulary, continues a
+    prompt with generate()'s greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments, pipeline
+
+    from diff_transformer.peft_defaults import DIFF_TRAINABLE_MODULES
+    from diff_transformer.tokenization_diff import build_word_tokenizer
+
+    _, _, model, folder = converted
+    torch.manual_seed(0)
+    lora = get_peft_model(DiffForCausalLM.from_pretrained(folder),
+                          LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=list(DIFF_TRAINABLE_MODULES)))
+    rows = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(5)).repeat(4, 1)  # memorised
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=4,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                             use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=lora, args=args, train_dataset=data)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[-1] < 0.9 * losses[0], losses
+    merged = lora.merge_and_unload().eval()
+    tokenizer = build_word_tokenizer([f"w{i}" for i in range(merged.config.vocab_size - 4)])
+    assert len(tokenizer) == merged.config.vocab_size
+    prompt = "w3 w17 w42 w8"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = merged.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, ids.shape[1]:]
+    text = pipeline("text-generation", model=merged, tokenizer=tokenizer)(
+        prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert text.split() == tokenizer.decode(expected, skip_special_tokens=True).split(), (text, expected)
+
+
 def test_folder_loads_with_trust_remote_code_without_the_package(converted, tmp_path):
     """The converted folder's own code (PolyNorm, the lambda offset, the SubLN epsilon) computes the reference
     logits in a fresh interpreter where `diff_transformer` cannot be imported."""
