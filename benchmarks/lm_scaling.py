@@ -3,10 +3,11 @@
 Setup as in the paper (Ye et al., arXiv 2410.05258, §3.2-3.3): DIFF with h = H / (2d) differential heads of q/k
 dim d (values 2d) against a Llama Transformer with 2h heads of dim d, same layers, MLP and vocabulary, so that every
 projection has the same shape (DIFF adds only its lambda vectors and SubLN weights). AdamW, linear warm-up then
-linear decay to 0; no token is seen twice. The learning rate of each model is picked by a small sweep (one seed, a
-quarter of the budget); then every model is trained with paired seeds (same initialisation seed and same batch
-order per seed) and evaluated at ~10 log-spaced token counts (validation loss on a fixed held-out set; training
-loss averaged since the previous point, on batches not seen before).
+linear decay to 0; no token is seen twice. Both families get the same initialisations (INITS); for each model and
+initialisation the learning rate is picked by a small sweep (one seed, a quarter of the budget); then it is trained
+with paired seeds (same initialisation seed and same batch order per seed) and evaluated at ~10 log-spaced token
+counts (validation loss on a fixed held-out set; training loss averaged since the previous point, on batches not
+seen before). The headline compares each family at its best initialisation; the controls (CONTROLS) run on DIFF's.
 
 The fit L(T) = E + A * T^-alpha per model, with a bootstrap over seeds (pairs resampled together), gives the token
 ratio at matched loss: the tokens DIFF needs to reach the loss Llama reaches at the end of training, divided by
@@ -18,7 +19,7 @@ from PyPI (BSD-3-Clause), sha256-checked, concatenated in sorted file order, rea
 tokens, vocabulary 256), cut into blocks of `--context` bytes, the blocks shuffled once with a fixed seed; the first
 `--val-blocks` are the validation set.
 
-    python benchmarks/lm_scaling.py                   # sweep + runs (resumable), then results.json and report.md
+    python benchmarks/lm_scaling.py --jobs 2          # sweeps + runs (resumable), then results.json and report.md
     python benchmarks/lm_scaling.py --quick           # the same pipeline at toy size, in about a minute
     python benchmarks/lm_scaling.py --from-saved      # report.md again from results.json, no training
 
