@@ -627,21 +627,21 @@ def worker_run(job: tuple[Path, dict]) -> dict:
         settings.get("init", BASE_INIT)))
 
 
+def stored_runs(node: object) -> list[dict]:
+    """Every run (a dict with "settings" and "curve") anywhere in a results tree."""
+    if isinstance(node, dict) and "settings" in node and "curve" in node:
+        return [node]
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else []
+    return [run for value in values for run in stored_runs(value)]
+
+
 def import_stored_runs(out: Path) -> None:
     """Every run a previous results.json in `out` holds goes into the run store (a clone has no runs/ folder), so
     that runs of unchanged settings are not trained again."""
     path = out / "results.json"
-    if not path.is_file():
-        return
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict) and "settings" in node and "curve" in node:
-            cached_run(out, node["settings"], lambda: {k: v for k, v in node.items() if k != "settings"})
-        elif isinstance(node, dict | list):
-            for value in node.values() if isinstance(node, dict) else node:
-                walk(value)
-
-    walk(json.loads(path.read_text()))
+    if path.is_file():
+        for run in stored_runs(json.loads(path.read_text())):
+            cached_run(out, run["settings"], lambda run=run: {k: v for k, v in run.items() if k != "settings"})
 
 
 def best_lr(cfg: dict, sweep: dict) -> float:
@@ -655,18 +655,10 @@ def mean_final(seeds: dict) -> float:
 def unreported_runs(out: Path, results: dict) -> list[dict]:
     """Finished runs in the store that `results` does not report (controls of a run stopped before them), kept in
     results.json so that a clone resumes from them."""
-    reported = set()
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict) and "settings" in node:
-            reported.add(json.dumps(node["settings"], sort_keys=True))
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-
-    walk({k: v for k, v in results.items() if k != "unreported_runs"})
+    key = lambda run: json.dumps(run["settings"], sort_keys=True)
+    reported = {key(run) for run in stored_runs({k: v for k, v in results.items() if k != "unreported_runs"})}
     stored = [json.loads(path.read_text()) for path in sorted((out / "runs").glob("*.json"))]
-    return [run for run in stored if json.dumps(run["settings"], sort_keys=True) not in reported]
+    return [run for run in stored if key(run) not in reported]
 
 
 def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int,

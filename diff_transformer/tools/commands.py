@@ -39,7 +39,7 @@ from .. import DiffConfig, DiffForCausalLM
 from ..folder_defaults import generation_defaults
 from .callbacks import NonFiniteStopCallback
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
-from .folders import checkpoint_step, checkpoints, nearest_existing
+from .folders import checkpoint_step, checkpoints, nearest_existing, read_config
 from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
@@ -558,7 +558,7 @@ def run_convert(args: argparse.Namespace) -> None:
         options["ignore_fields"] = tuple(args.ignore_field)
     model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
     is_motif = Path(args.src).is_dir() and motif.is_motif_folder(args.src)
-    added = motif.added_parameters(motif.read_config(args.src)) if is_motif else added_parameters(model)
+    added = motif.added_parameters(read_config(args.src)) if is_motif else added_parameters(model)
     print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
           f"{added:,} parameters added ({added / (model.num_parameters() - added):+.2%})")
 

@@ -32,6 +32,7 @@ from transformers import GenerationConfig
 from ..configuration_diff import POLY_NORM, DiffConfig
 from ..modeling_diff import DiffForCausalLM
 from .convert import copy_tokenizer, load_target
+from .folders import read_config
 from .unilm import sub_head_rows
 
 MOTIF_ARCHITECTURES = ("MotifForCausalLM",)
@@ -60,13 +61,6 @@ def is_motif_config(fields: dict) -> bool:
     """Whether a config.json (as a dict) is a Motif-2 checkpoint's."""
     return str(fields.get("model_type", "")).lower() == "motif" or any(
         name in MOTIF_ARCHITECTURES for name in fields.get("architectures") or [])
-
-
-def read_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; give the folder of a downloaded Motif-2 checkpoint")
-    return json.loads(path.read_text())
 
 
 def is_motif_folder(folder: str | Path) -> bool:
