@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig
-from diff_transformer.attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel, triton_available
+from diff_transformer.attention_kernels import DIFF_FLASH, DIFF_KERNELS, diff_attention, triton_available
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -45,12 +45,6 @@ def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype):
     v = torch.randn(batch, h_kv, seq, dv, device=DEVICE, dtype=dtype, requires_grad=True)
     lam = torch.tensor(0.5, device=DEVICE, requires_grad=True)
     return q, k, v, lam
-
-
-def diff_attention(module, q, k, v, lam, attention_mask, scaling):
-    """What `DiffAttention.forward` runs for the module's backend on these inputs (`select_kernel`)."""
-    kernel = DIFF_KERNELS[select_kernel(module.config._attn_implementation, q, k, v)]
-    return kernel(module, q, k, v, lam, attention_mask, scaling)
 
 
 def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: int, seq: int, dtype: torch.dtype):

@@ -7,6 +7,7 @@ import transformers
 from transformers import AutoConfig
 
 from . import modeling_diff
+from .attention_kernels import capture_branch_attentions
 from ._version import __version__
 from .configuration_diff import DiffConfig
 from .folder_defaults import AUTO_MODEL_CLASSES
@@ -17,10 +18,8 @@ from .modeling_diff import (
     DiffForTokenClassification,
     DiffModel,
     DiffPreTrainedModel,
-    capture_branch_attentions,
 )
 from .multihead_diffattn import MultiheadDiffAttn, rotary_rel_pos
-
 
 
 def register_auto_classes() -> None:

@@ -5,20 +5,27 @@ Each V1 kernel takes (module, q, k, v, lam, attention_mask, scaling, **kwargs) i
 kernel_common.py (q [B, 2h, T, d] in halves order, keys packed [B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv])
 and returns (out [B, T, h, dv] fp32, the differential map [B, h, T, S] or None). The small kernels live here; the
 tiled CPU kernel and the fused Triton kernel have files of their own, and kernel_naive.py is the float64 reference
-all of them are tested against. `eager_v2_attention` is DIFF V2's kernel.
+all of them are tested against. `eager_v2_attention` is DIFF V2's kernel. `diff_attention` is what a layer calls.
+
+`diff_flash` is also registered with transformers' attention interface (`DiffFlashBackend` accepts the name) and
+`capture_branch_attentions` collects the eager kernel's branch maps.
 """
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 from transformers.utils import is_torchdynamo_compiling
 
+from .configuration_diff import DiffConfig
+from .diff_lambda import DiffLambda
 from .kernel_common import autocast_off, drop_unfilled_keys, masked_scores, split_branches, upcast
 from .kernel_tiled import tiled_diff_attention, tiled_is_faster
 from .paged_cache import PAGED_EAGER
@@ -145,6 +152,12 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
     return "standard_calls"
 
 
+def diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The differential heads of a V1 layer under its model's backend: `select_kernel`'s kernel, called."""
+    kernel = DIFF_KERNELS[select_kernel(module.config._attn_implementation, q, k, v)]
+    return kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs)
+
+
 @autocast_off
 def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
     """DIFF V2 with materialised maps: softmax of the 2h heads in fp32, head pair (2j, 2j+1) differenced with the
@@ -156,3 +169,60 @@ def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
     pairs = torch.softmax(scores, dim=-1).view(batch, -1, 2, length, k.shape[-2])  # [B, h, pair, T, S]
     diff_map = pairs[:, :, 0] - gate.transpose(1, 2)[..., None] * pairs[:, :, 1]  # [B, h, T, S]
     return torch.matmul(diff_map, v.float()).transpose(1, 2), diff_map.to(q.dtype)
+
+
+@contextmanager
+def capture_branch_attentions(model: torch.nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Collect (A1 [B, h, T, S], A2, lambda) of every differential layer, in layer order, during forwards of `model`
+    inside the block. Only `eager` materialises the maps.
+
+    The maps are released when the caller drops the yielded list; nothing is held between calls otherwise.
+    """
+    differential = any(isinstance(module, DiffLambda) for module in model.modules())
+    if differential and model.config._attn_implementation != "eager":
+        raise ValueError(
+            f"capture_branch_attentions needs the eager attention maps, but the model runs "
+            f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
+            "model.set_attn_implementation(\"eager\") first"
+        )
+    maps: list = []
+    token = BRANCH_MAPS.set(maps)
+    try:
+        yield maps
+    finally:
+        BRANCH_MAPS.reset(token)
+
+
+def diff_flash_standard_attention(module: torch.nn.Module, *args, **kwargs):
+    """What `diff_flash` runs in layers without V1 differential attention (DIFF V2, standard layers of a hybrid
+    stack): sdpa. Registered under our name so that transformers accepts `attn_implementation="diff_flash"`; any
+    other model that asks for it gets this error instead of a silent substitute."""
+    if getattr(getattr(module, "config", None), "model_type", None) != DiffConfig.model_type:
+        raise ValueError(
+            f"attn_implementation='{DIFF_FLASH}' is the Differential Transformer's fused kernel and has no "
+            f"meaning for {type(module).__name__}; use 'sdpa', 'eager' or another transformers backend"
+        )
+    return sdpa_attention_forward(module, *args, **kwargs)
+
+
+ALL_ATTENTION_FUNCTIONS.register(DIFF_FLASH, diff_flash_standard_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_FLASH, sdpa_mask)
+
+
+class DiffFlashBackend:
+    """A model class's backend check, which accepts `diff_flash` where Triton can run it and names it beside
+    transformers' own backends when a name is unknown."""
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        if attn_implementation == DIFF_FLASH:
+            ok, reason = triton_available()
+            if not ok:
+                raise ValueError(f"attn_implementation='{DIFF_FLASH}' is unavailable: {reason}")
+            return attn_implementation
+        try:
+            return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        except ValueError as error:  # transformers' list of its backends, which lacks ours
+            if "not supported" not in str(error) or DIFF_FLASH in str(error):
+                raise
+            raise ValueError(f"{error} The DIFF Transformer adds `attn_implementation=\"{DIFF_FLASH}\"` (its fused "
+                             "Triton kernel).") from None

@@ -15,7 +15,7 @@ from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 ATTENTION_TYPES = ("differential", "standard")
-POLY_NORM = "poly_norm"  # `hidden_act` of the PolyNorm MLP (modeling_diff.PolyNorm)
+POLY_NORM = "poly_norm"  # `hidden_act` of the PolyNorm MLP (poly_norm.PolyNorm)
 # The private keyword `from_dict` passes: a saved config's extra keys (other tools add some, e.g. transformers' tests
 # add `*_eps` fields) are kept as transformers keeps them; only a DiffConfig built in code gets the typo check. A
 # keyword, not module state, so that the class pickles by value (vLLM ships remote-code configs so) and nests.

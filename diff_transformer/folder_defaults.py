@@ -1,6 +1,7 @@
 """What a saved DIFF Transformer folder (arXiv 2410.05258) gives its clients: the KV cache on, generation defaults
-that stop within the context, and an `auto_map` naming every model class. `modeling_diff.py` applies them in
-`save_pretrained`, so they ship with the Hub code and hold for every folder the model classes write."""
+that stop within the context, and an `auto_map` naming every model class; and what loading one reports. The model
+classes take `save_pretrained` and `from_pretrained` from `SavedFolderMixin`, so these hold for every folder they
+write or read, with the Hub code too."""
 
 import copy
 import os
@@ -8,7 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
+
+from .configuration_diff import check_local_path
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -78,3 +82,31 @@ def match_weight_file_modes(folder: str | os.PathLike) -> None:
     mode = (Path(folder) / "config.json").stat().st_mode & 0o777
     for path in Path(folder).glob("*.safetensors"):
         os.chmod(path, mode)
+
+
+class SavedFolderMixin:
+    """`from_pretrained` and `save_pretrained` of the model classes: transformers' own, with the checks and defaults
+    above."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), and a
+        truncated or corrupt safetensors file is reported with its folder and the fix (safetensors' own message
+        names neither)."""
+        if pretrained_model_name_or_path is not None:
+            check_local_path(pretrained_model_name_or_path)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise OSError(
+                f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
+                "download them again, or re-save the model with model.save_pretrained"
+            ) from error
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
+        generation within the context) and weights as readable as its other files (`match_weight_file_modes`)."""
+        with saved_folder_defaults(self):
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        match_weight_file_modes(save_directory)
+        return result

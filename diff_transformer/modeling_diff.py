@@ -12,25 +12,21 @@ and the cache shapes of `DiffConfig.per_layer_config`.
 
 The attention of a layer projects q [B, 2h, T, d] (halves order), keys packed [B, h_kv, T, 2d] = (k1 | k2) and
 v [B, h_kv, T, dv] (the packed layout of kernel_common.py), updates the cache with the packed keys, and runs the
-differential kernel that `select_kernel` (attention_kernels.py) names for the backend and inputs. Shape names are
-those of kernel_common.py.
+differential kernel of its backend (`diff_attention`, attention_kernels.py). Shape names are those of kernel_common.py.
+
+What is not the model lives beside it: lambda and its per-`generate` freezing (diff_lambda.py), the PolyNorm MLP
+(poly_norm.py), argument checks (input_checks.py), saving and loading (folder_defaults.py), continuous batching
+(paged_cache.py), the `diff_flash` backend and branch-map capture (attention_kernels.py).
 """
 
 import functools
-import inspect
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Unpack
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -46,61 +42,27 @@ from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.utils import TransformersKwargs, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs
 
-from .attention_kernels import (
-    BRANCH_MAPS,
-    DIFF_FLASH,
-    DIFF_KERNELS,
-    eager_v2_attention,
-    select_kernel,
-    triton_available,
-)
-from .configuration_diff import POLY_NORM, DiffConfig, check_local_path
+from .attention_kernels import DiffFlashBackend, diff_attention, eager_v2_attention
+from .configuration_diff import DiffConfig
+from .decoder_layers import DecoderLayers
+from .diff_lambda import DiffLambda, frozen_lambdas
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
-from .folder_defaults import match_weight_file_modes, saved_folder_defaults
+from .folder_defaults import SavedFolderMixin
+from .input_checks import CACHE_KWARG, check_cache_argument, check_token_ids, embedding_rows
 from .kernel_common import upcast
-from .paged_cache import (
-    PAGED_EAGER,
-    PagedLayerCache,
-    check_continuous_batching,
-    is_paged,
-    paged_update,
-    with_paged_cache_view,
-)
+from .paged_cache import PAGED_EAGER, ContinuousBatchingMixin, PagedLayerCache, is_paged, paged_update
 from .peft_defaults import register_peft_defaults
+from .poly_norm import PolyNorm, build_mlp
 
 register_peft_defaults()  # with the model code, so LoraConfig() needs no target_modules under trust_remote_code too
-
-# The name under which the installed transformers passes the cache to forwards (`cache`, or `past_key_values` in
-# the releases before the rename); the modules read it from their keyword arguments under that name.
-CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
-CACHE_NAMES = ("cache", "past_key_values")
-
-
-def check_cache_argument(kwargs: dict) -> None:
-    """In place: a cache passed as `cache` where transformers still names it `past_key_values` gets that name; a
-    cache under any other name would be ignored by every layer, each decode step seeing no context: an error."""
-    if CACHE_KWARG != "cache" and "cache" in kwargs:
-        if kwargs.get(CACHE_KWARG) is not None:
-            raise ValueError(f"got the cache as both `cache` and `{CACHE_KWARG}`; pass it once")
-        kwargs[CACHE_KWARG] = kwargs.pop("cache")
-    for name, value in kwargs.items():
-        if name not in CACHE_NAMES and (isinstance(value, Cache) or name in ("past_key_value", "layer_past", "past")):
-            raise TypeError(f"{name}={type(value).__name__} is not a cache argument of this model, which would ignore "
-                            f"it; pass the cache as `{CACHE_KWARG}`")
-
-
-def compute_lambda(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lambda_init: float):
-    """Paper eq. (1): lambda = exp(<lq1, lk1>) - exp(<lq2, lk2>) + lambda_init, in fp32 (float64 for float64)."""
-    return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init
 
 
 class SubLN(LlamaRMSNorm):
@@ -111,92 +73,6 @@ class SubLN(LlamaRMSNorm):
         hidden_states = upcast(hidden_states)
         return self.weight * (hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True)
                                                          + self.variance_epsilon))
-
-
-POLY_NORM_EPS = 1e-6  # PolyNorm's epsilon in Motif-2 (and arXiv 2411.03884)
-
-
-class PolyNorm(nn.Module):
-    """PolyNorm (arXiv 2411.03884), the gate activation of `hidden_act="poly_norm"`:
-    `weight[0] N(z^3) + weight[1] N(z^2) + weight[2] N(z) + bias`, `N(u) = u / sqrt(mean(u^2) + eps)` over the last
-    dim, computed in fp32 (float64 for float64 inputs)."""
-
-    def __init__(self, eps: float = POLY_NORM_EPS):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.full((3,), 1 / 3))
-        self.bias = nn.Parameter(torch.zeros(1))
-
-    def normalized(self, u: torch.Tensor) -> torch.Tensor:
-        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = upcast(x)
-        w = self.weight.to(z.dtype)
-        out = w[0] * self.normalized(z**3) + w[1] * self.normalized(z**2) + w[2] * self.normalized(z)
-        return (out + self.bias.to(z.dtype)).to(x.dtype)
-
-
-def build_mlp(config: DiffConfig) -> LlamaMLP:
-    """Llama's gated MLP, `down(act(gate x) * up x)`; with `hidden_act="poly_norm"` its activation is `PolyNorm`."""
-    if config.hidden_act != POLY_NORM:
-        return LlamaMLP(config)
-    mlp = LlamaMLP(LlamaConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                               mlp_bias=config.mlp_bias, hidden_act="silu"))
-    mlp.config, mlp.act_fn = config, PolyNorm()
-    return mlp
-
-
-class DiffLambda(nn.Module):
-    """The re-parameterised lambda of one layer: four d-sized vectors shared by all heads."""
-
-    def __init__(self, head_dim: int, lambda_init: float, std: float):
-        super().__init__()
-        self.lambda_init = lambda_init
-        self.std = std
-        self.q1 = nn.Parameter(torch.zeros(head_dim))
-        self.k1 = nn.Parameter(torch.zeros(head_dim))
-        self.q2 = nn.Parameter(torch.zeros(head_dim))
-        self.k2 = nn.Parameter(torch.zeros(head_dim))
-        self.frozen: torch.Tensor | None = None  # set only inside `frozen_lambdas`
-        self.frozen_depth = 0  # how many `frozen_lambdas` blocks are open on this module
-
-    def forward(self) -> torch.Tensor:
-        if self.frozen is not None:
-            return self.frozen
-        return compute_lambda(self.q1, self.k1, self.q2, self.k2, self.lambda_init)
-
-    def extra_repr(self) -> str:  # not lambda_init, which differs per layer: print(model) folds like Llama's
-        return f"head_dim={self.q1.numel()}"
-
-
-FREEZE_LOCK = threading.Lock()
-
-
-@contextmanager
-def frozen_lambdas(model: nn.Module) -> Iterator[None]:
-    """Compute each layer's lambda once for the block instead of once per layer and forward.
-
-    For `generate`, where the weights are fixed: a batch-1 CPU decode step is bound by per-op overhead, and lambda
-    costs 6 ops per layer and step. Not a cache keyed on the parameters: in-place writes through `.data` (DeepSpeed,
-    EMA code) leave no trace on them, so only a block that cannot change the weights may skip the recomputation.
-    Blocks are counted, not stacked: inner or overlapping blocks (assisted generation; `generate` called from several
-    threads) share the first block's values, and the last one to close releases them, whatever the order.
-    """
-    modules = [m for m in model.modules() if isinstance(m, DiffLambda)]
-    with FREEZE_LOCK, torch.no_grad():
-        for module in modules:
-            if module.frozen_depth == 0:
-                module.frozen = module()
-            module.frozen_depth += 1
-    try:
-        yield
-    finally:
-        with FREEZE_LOCK:
-            for module in modules:
-                module.frozen_depth -= 1
-                if module.frozen_depth == 0:
-                    module.frozen = None
 
 
 class DifferentialAttentionBase(nn.Module):
@@ -268,9 +144,8 @@ class DiffAttention(DifferentialAttentionBase):
         return q, k, v
 
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, by `select_kernel`'s kernel."""
-        kernel = DIFF_KERNELS[select_kernel(self.config._attn_implementation, q, k, v)]
-        out, attn_map = kernel(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
+        """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, by the backend's kernel."""
+        out, attn_map = diff_attention(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
         return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map
 
 
@@ -362,34 +237,11 @@ class DiffDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DiffPreTrainedModel(LlamaPreTrainedModel):
+class DiffPreTrainedModel(SavedFolderMixin, DiffFlashBackend, LlamaPreTrainedModel):
     config: DiffConfig
     config_class = DiffConfig
     _no_split_modules = ["DiffDecoderLayer"]
     _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": list(ATTENTION_CLASSES)}
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), and a
-        truncated or corrupt safetensors file is reported with its folder and the fix (safetensors' own message
-        names neither)."""
-        if pretrained_model_name_or_path is not None:
-            check_local_path(pretrained_model_name_or_path)
-        try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as error:
-            raise OSError(
-                f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
-                "download them again, or re-save the model with model.save_pretrained"
-            ) from error
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
-        generation within the context) and weights as readable as its other files (`match_weight_file_modes`)."""
-        with saved_folder_defaults(self):
-            result = super().save_pretrained(save_directory, *args, **kwargs)
-        match_weight_file_modes(save_directory)
-        return result
 
     def post_init(self) -> None:
         """transformers' post_init; a DIFF V2 model keeps its per-token lambda gate (h outputs) out of quantization
@@ -416,43 +268,6 @@ class DiffPreTrainedModel(LlamaPreTrainedModel):
         check_tp_size(model.config, getattr(distributed_config, "tp_size", None) or 1)
         return super().maybe_distribute_model(model, distributed_config, *args)
 
-    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
-        if attn_implementation == DIFF_FLASH:
-            ok, reason = triton_available()
-            if not ok:
-                raise ValueError(f"attn_implementation='{DIFF_FLASH}' is unavailable: {reason}")
-            return attn_implementation
-        try:
-            return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
-        except ValueError as error:  # transformers' list of its backends, which lacks ours
-            if "not supported" not in str(error) or DIFF_FLASH in str(error):
-                raise
-            raise ValueError(f"{error} The DIFF Transformer adds `attn_implementation=\"{DIFF_FLASH}\"` (its fused "
-                             "Triton kernel).") from None
-
-
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Out-of-range ids otherwise crash inside the embedding with an opaque index error (or a CUDA assert).
-
-    The check reads the ids' range on the host, a device sync off the CPU; a one-token step on an accelerator (a
-    decode step, whose token the model itself chose) skips it, so GPU decoding runs without host syncs.
-    """
-    if is_torchdynamo_compiling() or input_ids.numel() == 0:
-        return
-    if input_ids.device.type != "cpu" and input_ids.shape[-1] == 1:
-        return
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(
-            f"input_ids must lie in [0, {vocab_size}) (the input embedding's rows) but range over [{low}, {high}]; "
-            "check the tokenizer matches the model or resize the embeddings with model.resize_token_embeddings"
-        )
-
-
-def embedding_rows(embedding: nn.Module) -> int:
-    """The rows of an input embedding, also one an adapter wraps (peft's trainable tokens, LoRA on embeddings)."""
-    return (embedding.get_base_layer() if hasattr(embedding, "get_base_layer") else embedding).num_embeddings
-
 
 class DiffModel(DiffPreTrainedModel, LlamaModel):
     def __init__(self, config: DiffConfig):
@@ -464,7 +279,7 @@ class DiffModel(DiffPreTrainedModel, LlamaModel):
         self.embed_tokens = Gemma3TextScaledWordEmbedding(
             config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=config.embedding_multiplier
         )
-        self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = DecoderLayers([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -480,7 +295,8 @@ class DiffModel(DiffPreTrainedModel, LlamaModel):
         return super().forward(input_ids, *args, **kwargs)
 
 
-class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM, GenerationMixin):  # named, as transformers' own
+# GenerationMixin named, as transformers' own causal LMs do
+class DiffForCausalLM(ContinuousBatchingMixin, DiffPreTrainedModel, LlamaForCausalLM, GenerationMixin):
     def __init__(self, config: DiffConfig):
         PreTrainedModel.__init__(self, config)  # LlamaForCausalLM's modules, with a DiffModel
         self.model = DiffModel(config)
@@ -505,15 +321,6 @@ class DiffForCausalLM(DiffPreTrainedModel, LlamaForCausalLM, GenerationMixin):  
         """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
         with frozen_lambdas(self):
             return super().generate(*args, **kwargs)
-
-    @torch.no_grad()
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
-        """transformers' continuous batching manager (behind `generate_batch` and `transformers serve
-        --continuous-batching`), with its paged cache laid out for DIFF layers (`paged_cache.py`); a backend the
-        layers cannot run under batching is refused here, before any request."""
-        continuous_batching_config = check_continuous_batching(self.config, continuous_batching_config)
-        manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
-        return with_paged_cache_view(self, manager)
 
 
 class DiffTaskHead:
@@ -542,42 +349,6 @@ def differential_layers(model: nn.Module) -> list[DiffAttention]:
     return [m for m in model.modules() if isinstance(m, DiffAttention)]
 
 
-@contextmanager
-def capture_branch_attentions(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Collect (A1 [B, h, T, S], A2, lambda) of every differential layer, in layer order, during forwards of `model`
-    inside the block. Only `eager` materialises the maps.
-
-    The maps are released when the caller drops the yielded list; nothing is held between calls otherwise.
-    """
-    if differential_layers(model) and model.config._attn_implementation != "eager":
-        raise ValueError(
-            f"capture_branch_attentions needs the eager attention maps, but the model runs "
-            f"'{model.config._attn_implementation}': load it with attn_implementation=\"eager\" or call "
-            "model.set_attn_implementation(\"eager\") first"
-        )
-    maps: list = []
-    token = BRANCH_MAPS.set(maps)
-    try:
-        yield maps
-    finally:
-        BRANCH_MAPS.reset(token)
-
-
-def diff_flash_standard_attention(module: nn.Module, *args, **kwargs):
-    """What `diff_flash` runs in layers without V1 differential attention (DIFF V2, standard layers of a hybrid
-    stack): sdpa. Registered under our name so that transformers accepts `attn_implementation="diff_flash"`; any
-    other model that asks for it gets this error instead of a silent substitute."""
-    if not isinstance(module, ATTENTION_CLASSES):
-        raise ValueError(
-            f"attn_implementation='{DIFF_FLASH}' is the Differential Transformer's fused kernel and has no "
-            f"meaning for {type(module).__name__}; use 'sdpa', 'eager' or another transformers backend"
-        )
-    return sdpa_attention_forward(module, *args, **kwargs)
-
-
-ALL_ATTENTION_FUNCTIONS.register(DIFF_FLASH, diff_flash_standard_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_FLASH, sdpa_mask)
-
 __all__ = [
     "DiffPreTrainedModel",
     "DiffModel",
@@ -585,5 +356,4 @@ __all__ = [
     "DiffForSequenceClassification",
     "DiffForTokenClassification",
     "DiffForQuestionAnswering",
-    "capture_branch_attentions",
 ]

@@ -28,7 +28,8 @@ from transformers import PreTrainedConfig
 
 from .attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel
 from .kernel_naive import naive_diff_attention
-from .modeling_diff import SubLN, compute_lambda
+from .diff_lambda import compute_lambda
+from .modeling_diff import SubLN
 
 IMPLEMENTATIONS = ("eager", "sdpa", "tiled", DIFF_FLASH)
 SUBLN_EPS = 1e-5  # the published module's SubLN epsilon

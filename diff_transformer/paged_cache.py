@@ -153,4 +153,16 @@ def with_paged_cache_view(model, manager):
     return manager
 
 
-__all__ = ["check_continuous_batching", "paged_update", "PagedLayerCache", "with_paged_cache_view"]
+class ContinuousBatchingMixin:
+    """A causal LM's `init_continuous_batching`, the manager behind `generate_batch` and `transformers serve
+    --continuous-batching`, with its paged cache laid out for DIFF layers; a backend the layers cannot run under
+    batching is refused here, before any request."""
+
+    @torch.no_grad()
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        continuous_batching_config = check_continuous_batching(self.config, continuous_batching_config)
+        manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        return with_paged_cache_view(self, manager)
+
+
+__all__ = ["ContinuousBatchingMixin", "check_continuous_batching", "paged_update", "PagedLayerCache", "with_paged_cache_view"]

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELING = "diff_transformer/modeling_diff.py"
+LAMBDA = "diff_transformer/diff_lambda.py"
 KERNELS = "diff_transformer/attention_kernels.py"
 COMMON = "diff_transformer/kernel_common.py"
 TILED = "diff_transformer/kernel_tiled.py"
@@ -51,23 +52,23 @@ class Fault(NamedTuple):
 
 
 FAULTS = [
-    Fault("lambda sign flipped", MODELING,
+    Fault("lambda sign flipped", LAMBDA,
           "return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(",
           "return -torch.exp(torch.dot(upcast(q1), upcast(k1))) + torch.exp(", LAYER),
-    Fault("lambda 1% too large", MODELING,
+    Fault("lambda 1% too large", LAMBDA,
           "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
           "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 0.01 * lambda_init", LAYER),
-    Fault("lambda 3e-4 off (fp32 tolerance)", MODELING,
+    Fault("lambda 3e-4 off (fp32 tolerance)", LAMBDA,
           "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
           "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init + 3e-4", LAYER),
     # forward unchanged, lambda's gradient negated where the lambda vectors are bf16 (as in a bf16 model)
-    Fault("lambda gradient sign flipped in bf16", MODELING,
+    Fault("lambda gradient sign flipped in bf16", LAMBDA,
           "    return torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
           "+ lambda_init\n",
           "    lam = torch.exp(torch.dot(upcast(q1), upcast(k1))) - torch.exp(torch.dot(upcast(q2), upcast(k2))) "
           "+ lambda_init\n    return 2 * lam.detach() - lam if q1.dtype == torch.bfloat16 else lam\n",
           ["tests/test_modeling.py::test_attention_matches_reference", "tests/test_v2.py", "tests/test_backends.py"]),
-    Fault("lambda gets no gradient", MODELING,
+    Fault("lambda gets no gradient", LAMBDA,
           "torch.exp(torch.dot(upcast(q2), upcast(k2))) + lambda_init",
           "torch.exp(torch.dot(upcast(q2), upcast(k2))).detach() + lambda_init", LAYER),
     Fault("eager map uses +lambda", KERNELS,
@@ -123,8 +124,8 @@ FAULTS = [
           "out = self.o_proj(out.to(hidden_states.dtype).reshape(batch, length, -1))\n"
           "        return (2 * out - out.detach() if self.training else out), attn_map", TRAINING),
     Fault("V2 gate off", MODELING,
-          "gate = torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]",
-          "gate = 0 * torch.sigmoid(self.lambda_proj(hidden_states).float())  # [B, T, h]", V2_LAYER),
+          "gate = torch.sigmoid(gate.float())  # [B, T, h]",
+          "gate = 0 * torch.sigmoid(gate.float())  # [B, T, h]", V2_LAYER),
     Fault("V2 gate sign in the sdpa path", MODELING,
           "return attn[..., 0, :].float() - gate[..., None] * attn[..., 1, :].float(), weights",
           "return attn[..., 0, :].float() + gate[..., None] * attn[..., 1, :].float(), weights", V2_LAYER),
@@ -136,7 +137,7 @@ FAULTS = [
           "        self.gradient_checkpointing = False\n        self.post_init()\n\n    # LlamaModel's forward",
           "        self.post_init()\n\n    # LlamaModel's forward",
           ["tests/test_modeling.py::test_classes_hold_what_their_llama_parent_builds"]),
-    Fault("per-layer lambda_init in the layer repr", MODELING,
+    Fault("per-layer lambda_init in the layer repr", LAMBDA,
           'return f"head_dim={self.q1.numel()}"',
           'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
           ["tests/test_modeling.py::test_print_folds_identical_layers_like_llama"]),

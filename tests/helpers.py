@@ -15,7 +15,7 @@ from transformers.masking_utils import create_causal_mask
 
 from diff_transformer import DiffConfig
 from diff_transformer.kernel_naive import naive_diff_attention
-from diff_transformer.modeling_diff import CACHE_KWARG
+from diff_transformer.input_checks import CACHE_KWARG
 
 
 class Tolerance(NamedTuple):

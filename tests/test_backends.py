@@ -14,7 +14,7 @@ from helpers import (DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer import attention_kernels, modeling_diff
+from diff_transformer import attention_kernels
 from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
@@ -227,6 +227,6 @@ def test_fused_from_pretrained_and_set_attn_implementation(tmp_path):
 
 
 def test_fused_unavailable_raises_clear_error(monkeypatch):
-    monkeypatch.setattr(modeling_diff, "triton_available", lambda: (False, "no CUDA GPU (test)"))
+    monkeypatch.setattr(attention_kernels, "triton_available", lambda: (False, "no CUDA GPU (test)"))
     with pytest.raises(ValueError, match=r"attn_implementation='diff_flash' is unavailable: no CUDA GPU \(test\)"):
         DiffForCausalLM._from_config(tiny_config(), attn_implementation=DIFF_FLASH)

@@ -10,7 +10,7 @@ from helpers import STACKS, tiny_config
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.modeling_diff import DIFF_FLASH, triton_available
+from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 from diff_transformer.paged_cache import LLAMA_TAKES_CACHE, UPDATE_TAKES_KWARGS, paged_cache_heads
 
 needs_batching = pytest.mark.skipif(not UPDATE_TAKES_KWARGS, reason="this transformers' paged cache is refused")

@@ -27,7 +27,8 @@ from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
-from diff_transformer.modeling_diff import CACHE_KWARG, DIFF_FLASH, triton_available
+from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
+from diff_transformer.input_checks import CACHE_KWARG
 from diff_transformer.tools.data import KeyValueTask
 from diff_transformer.tools.tokenizer import train_bpe_tokenizer
 

@@ -1,11 +1,14 @@
 """Hybrid stacks (some layers standard attention, config.attention_types) on every CPU backend."""
 
+import re
+
 import pytest
 import torch
 from helpers import tiny_config
 from transformers import AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
+from diff_transformer.decoder_layers import index_span
 from diff_transformer.modeling_diff import DiffAttention, DiffStandardAttention
 
 BACKENDS = ["eager", "sdpa"]
@@ -88,3 +91,49 @@ def test_hybrid_trains_generates_and_round_trips(backend, tmp_path):
     with torch.no_grad():
         before, after = model(ids).logits, reloaded(ids).logits
     assert torch.equal(before, after), f"save/load changed logits: {max_diff(before, after)}"
+
+
+def expand(span: str) -> list[int]:
+    """The indices a `DecoderLayers` entry names: `0-3`, `0, 2, ..., 8`, or runs and indices listed."""
+    items = span.split(", ")
+    if "..." in items:
+        first, second, last = int(items[0]), int(items[1]), int(items[-1])
+        return list(range(first, last + 1, second - first))
+    return [i for item in items for i in range(int(item.split("-")[0]), int(item.split("-")[-1]) + 1)]
+
+
+@pytest.mark.parametrize("indices, expected", [
+    ([0, 1, 2, 3], "0-3"), ([0, 2, 4, 6, 8], "0, 2, ..., 8"), ([1, 4], "1, 4"), ([0, 1, 3, 4, 7], "0-1, 3-4, 7"),
+    ([0, 3, 6], "0, 3, 6"),
+])
+def test_index_span(indices, expected):
+    assert index_span(indices) == expected
+    assert expand(expected) == indices
+
+
+@pytest.mark.parametrize("pattern", [["differential", "standard"], ["differential", "differential", "standard"]],
+                         ids=["alternating", "two-one"])
+def test_print_shows_each_layer_kind_once(pattern):
+    """print(model) of a 32-layer hybrid stack: one entry per layer kind (torch folds only equal neighbours, which
+    printed every layer of an alternating stack), naming each index once and only layers of that kind, within 2x
+    the lines of a Llama of the same size."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    types = (pattern * 32)[:32]
+    config = tiny_config(num_hidden_layers=32, attention_types=types)
+    model = DiffForCausalLM(config)
+    text = repr(model)
+    sizes = {name: getattr(config, name) for name in ("vocab_size", "hidden_size", "intermediate_size",
+                                                      "num_hidden_layers", "num_attention_heads")}
+    llama = repr(LlamaForCausalLM(LlamaConfig(**sizes)))
+    assert len(text.splitlines()) <= 2 * len(llama.splitlines()), text
+    entries = re.findall(r"^      \(([^)]*)\): (?:(\d+) x )?DiffDecoderLayer\(\n +\(self_attn\): (\w+)\(", text,
+                         re.MULTILINE)
+    assert len(entries) == 2, text
+    covered = []
+    for span, count, attention in entries:
+        indices = expand(span)
+        assert int(count or 1) == len(indices), (span, count)
+        assert {type(model.model.layers[i].self_attn).__name__ for i in indices} == {attention}, (span, attention)
+        covered += indices
+    assert sorted(covered) == list(range(32)), entries

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.attention_kernels import BRANCH_MAPS, eager_diff_attention
-from diff_transformer.modeling_diff import compute_lambda, frozen_lambdas
+from diff_transformer.diff_lambda import compute_lambda, frozen_lambdas
 from diff_transformer.kernel_tiled import tiled_diff_attention
 
 BACKENDS = ["eager", "sdpa"]
@@ -552,8 +552,8 @@ def test_classes_hold_what_their_llama_parent_builds(parent):
         parent, lambda cls, c: cls(c))
     theirs, ours = init_fields(built(llama_class, llama_twin(config))), init_fields(built(diff_class, config))
     renamed = {**DIFF_CLASS_NAME, "LlamaAttention": "DiffAttention", "LlamaConfig": "DiffConfig"}
-    if parent == "LlamaModel":  # its embeddings are scaled by config.embedding_multiplier
-        renamed["Embedding"] = "Gemma3TextScaledWordEmbedding"
+    if parent == "LlamaModel":  # embeddings scaled by config.embedding_multiplier; layers printed by kind
+        renamed.update(Embedding="Gemma3TextScaledWordEmbedding", ModuleList="DecoderLayers")
     expected = {name: renamed.get(kind, kind) for name, kind in theirs.items()}
     assert ours == expected, (f"{diff_class.__name__} drifted from {parent}: missing {set(expected) - set(ours)}, "
                               f"extra {set(ours) - set(expected)}, other classes "

@@ -17,7 +17,7 @@ from helpers import (
 from transformers import AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.modeling_diff import DIFF_FLASH, triton_available
+from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 
 BACKENDS = ["eager", "sdpa"]
 

@@ -14,7 +14,7 @@ from results import finish
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from diff_transformer.modeling_diff import CACHE_KWARG  # importing the package registers the Auto classes
+from diff_transformer.input_checks import CACHE_KWARG  # importing the package registers the Auto classes
 
 # Two micro-batches of two rows; the second row of the first is left-padded, so masks are sharded too.
 MICRO_BATCHES = [

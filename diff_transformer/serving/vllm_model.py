@@ -38,7 +38,8 @@ from vllm.platforms import current_platform
 
 from ..diff_tensor_parallel import branch_halves_rank_major
 from ..configuration_diff import POLY_NORM
-from ..modeling_diff import PolyNorm, compute_lambda
+from ..diff_lambda import compute_lambda
+from ..poly_norm import PolyNorm
 from .layout import check_servable, unexpected_weight
 
 # our projection name -> its shard in the fused qkv_proj

@@ -10,7 +10,8 @@ see convert.py) linearly to a target, so the function moves away from the source
 import torch
 from transformers import TrainerCallback
 
-from ..modeling_diff import capture_branch_attentions, differential_layers
+from ..attention_kernels import capture_branch_attentions
+from ..modeling_diff import differential_layers
 
 
 def lambda_values(model: torch.nn.Module) -> list[float]:

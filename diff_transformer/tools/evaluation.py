@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from ..kernel_common import split_branches
-from ..modeling_diff import DiffAttention, capture_branch_attentions
+from ..attention_kernels import capture_branch_attentions
+from ..modeling_diff import DiffAttention
 
 CITIES = (
     "Paris Lisbon Berlin Madrid Rome Vienna Prague Oslo Dublin Athens Cairo Lagos Nairobi Lima Quito Bogota Havana "
