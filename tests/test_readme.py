@@ -78,8 +78,8 @@ BLOCKS = {
     "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "slow",
     "diff-transformer eval-needle out/my-model": "slow",
     "diff-transformer serve FOLDER --port 8000": SKIP + "needs vLLM's CUDA build and a GPU",
-    "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm serves a trained "
-    "folder this way (bash .ci/run vllm)",
+    "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm_serving serves a "
+    "trained folder this way (bash .ci/run vllm)",
     "diff-transformer attention-noise out/my-model": "slow",
     "results = model.generate_batch(": SKIP + "tests/test_continuous_batching.py makes these calls on tiny models",
     "python -m diff_transformer.serving.transformers_serve FOLDER": SKIP + "tests/test_transformers_serve.py starts "
