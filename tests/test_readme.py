@@ -54,6 +54,7 @@ BLOCKS = {
     'args = TrainingArguments("runs/trainer"': "slow",
     "diff-transformer train --data my_corpus.txt --output runs/my-model": "slow",
     "modules_to_save=DIFF_TRAINABLE_MODULES))": "slow",
+    "GRPOTrainer(model=model, reward_funcs=reward_len": "slow",
     'generator = pipeline("text-generation", model="runs/my-model")': "slow",
     'AutoModelForTokenClassification.from_pretrained("runs/my-model"': "fast",
     "with init_empty_weights():": "slow",
