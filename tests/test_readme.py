@@ -54,6 +54,7 @@ BLOCKS = {
     'args = TrainingArguments("runs/trainer"': "slow",
     "diff-transformer train --data my_corpus.txt --output runs/my-model": "slow",
     "modules_to_save=DIFF_TRAINABLE_MODULES))": "slow",
+    "GRPOTrainer(model=model, reward_funcs=reward_len": "slow",
     'generator = pipeline("text-generation", model="runs/my-model")': "slow",
     'AutoModelForTokenClassification.from_pretrained("runs/my-model"': "fast",
     "with init_empty_weights():": "slow",
@@ -78,8 +79,8 @@ BLOCKS = {
     "LambdaWarmupCallback(target=0.5, warmup_steps=1000)": "slow",
     "diff-transformer eval-needle out/my-model": "slow",
     "diff-transformer serve FOLDER --port 8000": SKIP + "needs vLLM's CUDA build and a GPU",
-    "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm serves a trained "
-    "folder this way (bash .ci/run vllm)",
+    "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm_serving serves a "
+    "trained folder this way (bash .ci/run vllm)",
     "diff-transformer attention-noise out/my-model": "slow",
     "results = model.generate_batch(": SKIP + "tests/test_continuous_batching.py makes these calls on tiny models",
     "python -m diff_transformer.serving.transformers_serve FOLDER": SKIP + "tests/test_transformers_serve.py starts "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import tp_worker
-from multiprocess import torchrun
+from local_ranks import torchrun
 from helpers import tiny_config
 from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 from helpers import assert_close, assert_grads_close, tiny_config
-from multiprocess import assert_same_losses, launch, torchrun
+from local_ranks import assert_same_losses, launch, torchrun
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 from diff_transformer import DiffForCausalLM

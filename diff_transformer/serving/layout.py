@@ -5,7 +5,7 @@ from ..configuration_diff import rope_parameter_sets, unsupported_fields
 
 # The head sizes vLLM 0.32's CPU attention (CPU_ATTN) computes; it takes no other and ignores `head_size_v`.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# What was verified (tests/vllm): one process. Tensor and pipeline parallelism are refused until tested.
+# What was verified (tests/vllm_serving): one process. Tensor and pipeline parallelism are refused until tested.
 VERIFIED_TP_SIZES = (1,)
 # vLLM 0.32's CUDA attention backends in its order of preference (platforms/cuda.py, below SM100), and the head
 # widths and dtypes each declares it takes (`supports_head_size`, `supported_dtypes` in v1/attention/backends/).

@@ -1,7 +1,7 @@
 """The checks `diff-transformer serve` and the vLLM plugin make before any engine starts (docs/serving.md): config
 fields vLLM would apply differently, the serve command's options, parallelism and LoRA, the GPU attention backends'
 head sizes, the advice for weights that are not plain, the chat-template message. They need no vLLM, so this module
-runs in every test pass; tests/vllm/test_vllm_serving.py runs the same refusals through vLLM itself."""
+runs in every test pass; tests/vllm_serving/test_vllm_serving.py runs the same refusals through vLLM itself."""
 
 import json
 from pathlib import Path
@@ -184,7 +184,7 @@ def test_gpu_widths_are_the_natural_ones():
 
 def test_no_chat_template_message(tmp_path):
     """A folder without a chat template: `serve` gives vLLM a template whose rendering fails with the fix, so that
-    /v1/chat/completions answers it (tests/vllm/test_vllm_serving.py checks it through the server)."""
+    /v1/chat/completions answers it (tests/vllm_serving/test_vllm_serving.py checks it through the server)."""
     plain = save_folder(tmp_path / "plain")
     assert not server.has_chat_template(str(plain))
     tok = build_word_tokenizer(WORDS)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-# a submodule, not "vllm": without vLLM installed, this folder (tests/vllm, on sys.path) imports as a namespace package
+# a submodule, not "vllm": a folder named vllm on sys.path would import as a namespace package without vLLM installed
 pytest.importorskip("vllm.entrypoints.llm")
 import vllm  # noqa: E402
 
