@@ -29,7 +29,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.modeling_diff import CACHE_KWARG, DIFF_FLASH, triton_available
 from diff_transformer.tools.data import KeyValueTask
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 BACKENDS = ["eager", "sdpa", pytest.param(DIFF_FLASH, marks=needs_triton)]
