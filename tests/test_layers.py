@@ -3,6 +3,7 @@ bottom floor, `saved_folder.py`, imports the standard library only; and the comm
 model folder, for every command that takes one, before torch or transformers are imported."""
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diff_transformer"
 # The floors, lowest first: a module may import from its own floor and those below. A flat module of the package
-# that no floor names is on the model's (the model file's parts live beside it).
+# that no floor names (a part of the model beside modeling_diff.py) sits on the lowest floor its imports allow.
 FLOORS = (
     ("standard library", {"diff_transformer._version", "diff_transformer.saved_folder"}),
     ("configuration", {"diff_transformer.configuration_diff", "diff_transformer.tokenization_diff",
@@ -43,7 +44,7 @@ def project_modules() -> dict[str, Path]:
     return {module_name(path): path for path in paths}
 
 
-def floor(module: str) -> int:
+def floor(module: str, seen: frozenset[str] = frozenset()) -> int:
     for index, (_, members) in enumerate(FLOORS):
         if module in members:
             return index
@@ -51,7 +52,8 @@ def floor(module: str) -> int:
         if module.startswith(subpackage + "."):
             return floor(subpackage)
     assert module.count(".") == 1 and module.startswith(PACKAGE + "."), f"{module} is on no floor: add it to FLOORS"
-    return floor(f"{PACKAGE}.modeling_diff")
+    below = import_graph()[module] - seen  # a circle among such modules is test_no_import_cycles's to report
+    return max((floor(target, seen | {module}) for target in below), default=0)
 
 
 def imported_names(path: Path, module: str) -> set[str]:
@@ -70,6 +72,7 @@ def imported_names(path: Path, module: str) -> set[str]:
     return names
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the project's modules it imports (a package's `__init__` under the package's name)."""
     modules = project_modules()
