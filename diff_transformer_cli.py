@@ -3,7 +3,7 @@ checkpoints, evaluate retrieval, attention noise and outliers, upload to the Hub
 any command to see a traceback.
 
 This module parses and checks the arguments without importing torch or transformers, so `--help` and argument errors
-answer at once; each command then runs from `diff_transformer.tools.commands`."""
+answer at once; each command then runs the function `COMMANDS` names for it."""
 
 import argparse
 import importlib
@@ -18,8 +18,6 @@ from pathlib import Path
 from types import ModuleType
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "diff_flash")
-COMMANDS = "diff_transformer.tools.commands"  # runs command NAME with its run_NAME, imported after parsing
-MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type, without importing transformers
 
 
 def load_torch_free(name: str) -> ModuleType:
@@ -37,7 +35,7 @@ def load_torch_free(name: str) -> ModuleType:
     return sys.modules[name]
 
 
-folders = load_torch_free("diff_transformer.tools.folders")
+saved_folder = load_torch_free("diff_transformer.saved_folder")
 
 
 class Terminated(KeyboardInterrupt):
@@ -118,7 +116,7 @@ def text_file(text: str) -> str:
     """A readable UTF-8 text file with some text in it (checked up front: training a tokenizer on anything else
     fails obscurely, or after seconds)."""
     try:
-        content = folders.read_text_file(text)
+        content = saved_folder.read_text_file(text)
     except (OSError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if not content.strip():
@@ -127,36 +125,13 @@ def text_file(text: str) -> str:
     return text
 
 
-def model_type_problem(config: dict, folder: str, diff: bool) -> str | None:
-    """What is wrong with the `model_type` of a folder's config.json, or None. Without one, transformers falls back on
-    the folder's remote code (`auto_map`) and asks on stdin whether to run it; a DIFF command given another
-    architecture would load it as a random model."""
-    found = config.get("model_type")
-    if found is None:
-        architectures = config.get("architectures") or []
-        if diff or any(name.startswith("Diff") for name in architectures):
-            restore = f'"model_type": "{MODEL_TYPE}"'
-        else:
-            restore = f"the model_type of its architecture ({', '.join(architectures) or 'unknown'}), e.g. \"llama\""
-        return f"{folder}/config.json has no \"model_type\"; restore {restore} in it"
-    if diff and found != MODEL_TYPE:
-        return (f"{folder} holds a '{found}' model, not a DIFF Transformer ('{MODEL_TYPE}'); convert it first with "
-                f"`diff-transformer convert {folder} OUT` (Llama, Mistral, Qwen2, DiffLlama and Motif-2 checkpoints), "
-                "or load it with AutoModelForCausalLM")
-    return None
-
-
 def folder_config(text: str, diff: bool = False) -> dict:
     """config.json of a local folder written by save_pretrained, with a model_type (of a DIFF Transformer with
-    `diff`), a tokenizer and safetensors weights."""
+    `diff`), a tokenizer and safetensors weights (`saved_folder.check_folder`)."""
     try:
-        config = folders.read_config(text)
-        if problem := model_type_problem(config, text, diff):
-            raise folders.FolderError(problem)
-        folders.check_files(text)
-    except folders.FolderError as error:
+        return saved_folder.check_folder(text, diff=diff)
+    except saved_folder.FolderError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    return config
 
 
 def model_folder(text: str) -> str:
@@ -172,10 +147,18 @@ def diff_model_folder(text: str) -> str:
     return text
 
 
+def check_upload_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """upload's MODEL_DIR: a saved DIFF model folder, refused in the words `upload` itself uses."""
+    try:
+        saved_folder.check_folder(args.model_dir, diff=True)
+    except saved_folder.FolderError as error:
+        parser.error(str(error))
+
+
 def unwritable(folder: Path) -> str | None:
     """Why files cannot be written into `folder` (made with its parents where missing), or None: probed with a real
     file, which also finds read-only mounts."""
-    existing = folders.nearest_existing(folder)
+    existing = saved_folder.nearest_existing(folder)
     if not existing.is_dir():
         return f"{existing} is a file, so no folder can be made there"
     try:
@@ -195,7 +178,7 @@ def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParse
 def check_checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
     """train's --resume needs a checkpoint in --output; checkpoints there without it need --overwrite (a new run).
     Whether --output holds checkpoints."""
-    found = folders.checkpoints(args.output) if Path(args.output).is_dir() else []
+    found = saved_folder.checkpoints(args.output) if Path(args.output).is_dir() else []
     if args.resume and not found:
         parser.error(f"--resume: --output {args.output} holds no checkpoint (checkpoint-STEP folder) to continue "
                      "from; drop --resume to start a new run")
@@ -223,12 +206,13 @@ def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParse
 
 
 def local_folder_or_hub_id(text: str) -> str:
-    """A local folder or a Hub id; a missing local folder fails here rather than after a minute of Hub retries."""
-    from diff_transformer.configuration_diff import check_local_path
-
+    """A local folder or a Hub id; a missing local folder fails here rather than after a minute of Hub retries, and
+    a local one needs a readable config.json with a model_type (its weights may be any transformers reads)."""
     try:
-        check_local_path(text)
-    except FileNotFoundError as error:
+        saved_folder.check_local_path(text)
+        if Path(text).expanduser().exists():
+            saved_folder.check_folder(text, files=False)
+    except (FileNotFoundError, saved_folder.FolderError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
@@ -467,13 +451,14 @@ def add_upload_parser(commands, common) -> Parser:
     parser.add_argument("--dry-run", action="store_true", help="prepare and check the folder, do not upload")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--license", default="mit", help="license id for the model card (the package's is mit)")
+    parser.set_defaults(check=check_upload_folder)
     return parser
 
 
 def add_serve_parser(commands, common) -> Parser:
     parser = commands.add_parser("serve", parents=[common], help="serve a saved folder with vLLM (OpenAI API)",
                                  description="Start vLLM's OpenAI-compatible server on a saved DIFF model folder.")
-    parser.add_argument("model", help="folder written by save_pretrained (model + tokenizer)")
+    parser.add_argument("model", type=diff_model_folder, help="folder written by save_pretrained (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--dtype", default="auto", help="vLLM's --dtype: float32, bfloat16, float16, or auto: the "
@@ -488,14 +473,26 @@ def add_serve_parser(commands, common) -> Parser:
     return parser
 
 
-# The commands, in the order --help lists them: each adds its parser, named NAME, and runs as COMMANDS's run_NAME.
+# The commands, in the order --help lists them: each adds its parser, named NAME, and runs as COMMANDS[NAME].
 PARSERS = (add_train_parser, add_generate_parser, add_convert_parser, add_eval_needle_parser,
            add_attention_noise_parser, add_outliers_parser, add_upload_parser, add_serve_parser)
+# What each command runs, as "module:function": imported only once the arguments are checked (with torch).
+COMMANDS = {
+    "train": "diff_transformer.tools.commands:run_train",
+    "generate": "diff_transformer.tools.commands:run_generate",
+    "convert": "diff_transformer.tools.commands:run_convert",
+    "eval-needle": "diff_transformer.tools.commands:run_eval_needle",
+    "attention-noise": "diff_transformer.tools.commands:run_attention_noise",
+    "outliers": "diff_transformer.tools.commands:run_outliers",
+    "upload": "diff_transformer.tools.commands:run_upload",
+    "serve": "diff_transformer.serving.server:serve",
+}
 
 
 def runner(command: str) -> Callable[[argparse.Namespace], None]:
-    """The function that runs `command`: `run_<command>` of `COMMANDS` (imported here, with torch)."""
-    return getattr(importlib.import_module(COMMANDS), f"run_{command.replace('-', '_')}")
+    """The function that runs `command` (`COMMANDS`), imported here, with torch."""
+    module, _, function = COMMANDS[command].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def build_parser() -> Parser:

@@ -75,7 +75,7 @@ from diff_transformer.tools.evaluation import (
     needle_accuracy,
     pyplot,
 )
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 MODELS = ("DIFF", "DiffLlama", "Transformer")
 INITIALISATION = ("initialisation: every model trained with Llama's initialisation (unscaled embeddings: DIFF's "

@@ -4,7 +4,6 @@ import copy
 import difflib
 import logging
 import math
-import os
 import types
 import typing
 
@@ -13,6 +12,8 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
 from transformers.modeling_rope_utils import RopeParameters
+
+from .saved_folder import MODEL_TYPE, check_local_path, check_model_type
 
 ATTENTION_TYPES = ("differential", "standard")
 POLY_NORM = "poly_norm"  # `hidden_act` of the PolyNorm MLP (poly_norm.PolyNorm)
@@ -24,33 +25,6 @@ LOADING_SAVED = "_loading_saved"
 SAVED_DEFAULTS = {"embedding_multiplier": 1.0}
 # keyword arguments PreTrainedConfig itself consumes, which may look like one of our fields
 BASE_KWARGS = {"output_attentions", "attn_implementation", "experts_implementation", "name_or_path", "torch_dtype"}
-
-
-def check_local_path(path: str | os.PathLike) -> None:
-    """Raise `FileNotFoundError` for a missing folder that is plainly meant as local: `./x`, `/x`, `~/x`, `x` alone,
-    `a/b/c`, or `a/b` where `a/` exists here. transformers would ask the Hub for it instead, which takes up to a
-    minute to fail without a connection. `user/model` with no local `user/` stays a Hub id."""
-    text = os.fspath(path)
-    if os.path.exists(os.path.expanduser(text)):
-        return
-    first = text.split("/")[0]
-    local = text.startswith((".", "/", "~", "\\")) or text.count("/") != 1 or os.path.isdir(first)
-    if local:
-        raise FileNotFoundError(
-            f"no such folder: {text} (looked in {os.getcwd()}); give the folder save_pretrained() wrote, "
-            "or a Hub id 'user/model'"
-        )
-
-
-def check_model_type(config_dict: dict, source: str | os.PathLike) -> None:
-    """Raise `ValueError` when `source` holds another architecture, which would otherwise load as a random model."""
-    found = config_dict.get("model_type", DiffConfig.model_type)
-    if found != DiffConfig.model_type:
-        raise ValueError(
-            f"{os.fspath(source)} holds a '{found}' model, not a DIFF Transformer ('{DiffConfig.model_type}'); "
-            f"convert it first with `diff-transformer convert {os.fspath(source)} OUT` (Llama, Mistral, Qwen2 and "
-            "DiffLlama checkpoints), or load it with AutoModelForCausalLM"
-        )
 
 
 def rope_parameter_sets(config_dict: dict) -> list[tuple[str, dict]]:
@@ -195,7 +169,7 @@ class DiffConfig(PreTrainedConfig):
     Invalid combinations raise `ValueError` at construction, naming the field and the fix.
     """
 
-    model_type = "diff_transformer"
+    model_type = MODEL_TYPE
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output's cache, under either name
     base_model_tp_plan = V1_TP_PLAN  # `V2_TP_PLAN` when diff_version=2 (set in `__post_init__`)
     base_model_pp_plan = {

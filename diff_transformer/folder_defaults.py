@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
-from .configuration_diff import check_local_path
+from .saved_folder import check_local_path
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -338,7 +338,7 @@ def saved_folders(root: os.PathLike, names: tuple[str, ...] = SAVED_FOLDERS) -> 
     from diff_transformer import DiffForCausalLM
     from diff_transformer.tools.data import KeyValueTask
     from diff_transformer.tools.evaluation import CITIES, FILLER, needle
-    from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+    from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
     def save_diff(path: Path, tokenizer) -> Path:
         DiffForCausalLM(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=512)).save_pretrained(path)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer_cli import PARSERS, build_parser, main, runner
+from diff_transformer_cli import COMMANDS, PARSERS, build_parser, main, runner
 
 
 def greedy_continuation(folder: Path, prompt: str, new_tokens: int) -> str:
@@ -38,12 +38,12 @@ def generated_line(output: str) -> str:
 
 
 def test_each_command_has_one_parser_and_one_runner():
-    """PARSERS is the one table of commands: each adds one subcommand, which runs as run_<name> of the commands
-    module."""
+    """PARSERS and COMMANDS are the tables of commands: each parser adds one subcommand, which runs the function
+    COMMANDS names for it."""
     names = list(build_parser()._subparsers._group_actions[0].choices)
-    assert len(names) == len(PARSERS) == len(set(names)), names
+    assert len(names) == len(PARSERS) == len(set(names)) and names == list(COMMANDS), (names, list(COMMANDS))
     for name in names:
-        assert runner(name).__name__ == f"run_{name.replace('-', '_')}", name
+        assert callable(runner(name)) and runner(name).__name__ == COMMANDS[name].rpartition(":")[2], name
 
 
 def test_train_default_task_then_generate(tmp_path, capsys):

@@ -22,9 +22,9 @@ from transformers import (
 )
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.callbacks import LambdaLoggingCallback, LambdaWarmupCallback, lambda_values
+from diff_transformer.tools.training import LambdaLoggingCallback, LambdaWarmupCallback, lambda_values
 from diff_transformer.tools.convert import added_parameters, convert, convert_checkpoint, convert_llama_family
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 from diff_transformer_cli import main
 
 LOGIT_ATOL = 1e-6  # fp32 conversion: the same function up to summation order (measured: max abs diff 1.8e-7)

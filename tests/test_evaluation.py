@@ -42,7 +42,7 @@ from diff_transformer.tools.evaluation import (
     needle,
     threshold_sweep,
 )
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 from diff_transformer_cli import main
 
 SHARE_ATOL = 1e-5  # fp32 sums of attention rows

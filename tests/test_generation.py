@@ -30,7 +30,7 @@ from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassif
 from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 from diff_transformer.input_checks import CACHE_KWARG
 from diff_transformer.tools.data import KeyValueTask
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 BACKENDS = ["eager", "sdpa", pytest.param(DIFF_FLASH, marks=needs_triton)]

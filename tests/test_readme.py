@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.tools.evaluation import CITIES, FILLER, needle
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Reading order.

@@ -35,7 +35,7 @@ from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools.commands import load_checked_model
 from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 from diff_transformer_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

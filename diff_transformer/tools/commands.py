@@ -1,46 +1,37 @@
 """What each `diff-transformer` command does, once `diff_transformer_cli` has parsed and checked its arguments:
-train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate, upload and serve. Command NAME runs as
-`run_NAME` (dashes as underscores)."""
+train a tiny DIFF model (arXiv 2410.05258), generate, convert, evaluate and upload (`diff_transformer_cli.COMMANDS`
+names the function each command runs; `serve` runs `serving.server.serve`)."""
 
 import argparse
 import json
-import math
 import os
 import random
-import shutil
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PrinterCallback,
-    ProgressCallback,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-    pipeline,
-    set_seed,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline, set_seed
 from transformers import dynamic_module_utils
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
 from ..folder_defaults import generation_defaults
-from .callbacks import NonFiniteStopCallback
+from ..saved_folder import checkpoint_step, checkpoints, nearest_existing, read_config
+from ..tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
-from .folders import checkpoint_step, checkpoints, nearest_existing, read_config
-from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
+from .training import (
+    TERMINAL,
+    NonFiniteStopCallback,
+    TimeLimit,
+    clear_run,
+    cli_trainer,
+    move_into_place,
+    nothing_half_written,
+    staging_folder,
+    train_until_stopped,
+    training_arguments,
+)
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
 TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
@@ -54,23 +45,8 @@ TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
 # asks whether to trust it and waits 15 s for an answer; at 0 it refuses at once, naming trust_remote_code, as it does
 # in its own CI. The commands load our model through the registered classes and never need the folder's copy.
 dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
-TERMINAL = sys.stderr.isatty()  # progress bars redraw in place on a terminal; in a log file they are plain lines
-if not TERMINAL:
+if not TERMINAL:  # progress bars redraw in place on a terminal; in a log file they are plain lines
     hf_logging.disable_progress_bar()
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with what it stopped; the command line prints it in one line and exits with `exit_code`."""
-
-    exit_code = 130
-
-
-def remove_created_folders(folder: Path, existing: Path) -> None:
-    """Remove `folder` and its parents up to `existing` (which existed before this run) where they are empty."""
-    folder = folder.absolute()
-    while folder != existing and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
-        folder = folder.parent
 
 
 def load_config(folder: str):
@@ -160,112 +136,6 @@ def set_threads(requested: int | None, model: torch.nn.Module) -> None:
     print(f"using {threads} CPU thread{'s' if threads > 1 else ''} ({reason}; --threads N sets it)")
 
 
-class TimeLimit(TrainerCallback):
-    """An optional wall-clock cap on top of the step budget; says so loudly when it cuts training short, since the
-    result then depends on the machine's speed and load."""
-
-    def __init__(self, minutes: float):
-        self.minutes = minutes
-        self.deadline = time.monotonic() + 60 * minutes
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() > self.deadline and state.global_step < state.max_steps:
-            control.should_training_stop = True
-            print(f"WARNING: --minutes {self.minutes:g} stopped training at step {state.global_step} of "
-                  f"{state.max_steps}; the model may be undertrained (drop --minutes to train all steps)")
-
-
-class PlainProgress(TrainerCallback):
-    """Off a terminal: the loss in plain lines (on stdout, as QuietProgress writes its own), at the first log, so that
-    a log shows training has started, once per quarter of the run, and at the first log `seconds` after the last
-    line, so that a long run's log moves at a steady rate."""
-
-    def __init__(self, seconds: float):
-        self.quarter = 0
-        self.seconds = seconds
-        self.printed = -math.inf
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if "loss" not in (logs or {}):
-            return
-        quarter_passed = state.global_step >= self.quarter * state.max_steps / 4
-        if not quarter_passed and time.monotonic() - self.printed < self.seconds:
-            return
-        print(f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}", flush=True)
-        self.printed = time.monotonic()
-        while self.quarter * state.max_steps / 4 <= state.global_step:
-            self.quarter += 1
-
-    def close(self) -> None:
-        pass
-
-
-class CheckpointOnStop(TrainerCallback):
-    """Ctrl-C or SIGTERM while `installed`: the step under way finishes, Trainer saves a checkpoint of it (weights,
-    optimizer, scheduler, RNG states, the data position) and stops; `raise_if_stopped` then raises what the signal
-    would have raised. A second signal raises at once."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.previous: dict[int, Callable] = {}
-
-    def request(self, signum: int, frame) -> None:
-        if self.signum is not None:
-            self.raise_signal(signum, frame)
-        self.signum = signum
-
-    def raise_signal(self, signum: int, frame) -> None:
-        handler = self.previous.get(signum)
-        if callable(handler):  # KeyboardInterrupt for SIGINT, the command line's `Terminated` for SIGTERM
-            handler(signum, frame)
-        raise KeyboardInterrupt
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.signum is not None:
-            control.should_save = True
-            control.should_training_stop = True
-
-    def raise_if_stopped(self) -> None:
-        if self.signum is not None:
-            self.raise_signal(self.signum, None)
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
-            yield
-            return
-        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for signum, handler in self.previous.items():
-                signal.signal(signum, handler)
-
-
-class QuietProgress(ProgressCallback):
-    """The progress bar with the latest loss on it, and one summary line per quarter of the run instead of every
-    log dict."""
-
-    def __init__(self):
-        super().__init__()
-        self.quarter = 1
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.training_bar is None or "loss" not in (logs or {}):
-            return
-        self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}")
-        if state.global_step >= self.quarter * state.max_steps / 4:
-            self.training_bar.write(f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}")
-            while self.quarter * state.max_steps / 4 <= state.global_step:
-                self.quarter += 1
-
-    def close(self) -> None:
-        """End the bar's line (on_train_end does, but Ctrl-C skips it)."""
-        if self.training_bar is not None:
-            self.training_bar.close()
-            self.training_bar = None
-
-
 def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
     return DiffConfig(
         vocab_size=len(tokenizer),
@@ -299,83 +169,6 @@ def training_generation_config(tokenizer) -> GenerationConfig:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-
-
-def training_arguments(args: argparse.Namespace, folder: Path) -> TrainingArguments:
-    """Trainer's settings; its checkpoints (every --save-steps, the last --save-total-limit kept, and one on Ctrl-C
-    or SIGTERM) go into `folder`/checkpoint-STEP."""
-    return TrainingArguments(
-        output_dir=str(folder),
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=min(100, args.max_steps // 10),
-        logging_steps=max(1, min(50, args.max_steps // 20)),
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit,
-        report_to=[],
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),  # bf16 on a CPU-only machine needs it said
-        seed=args.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=not TERMINAL,  # QuietProgress replaces the log printing; PlainProgress off a terminal
-    )
-
-
-def staging_folder(output: Path) -> Path:
-    """Where `train` writes before the rename into `output`: a hidden sibling that nobody takes for a model and
-    that blocks no rerun."""
-    return output.parent / f".{output.name}.incomplete-{os.getpid()}"
-
-
-def move_into_place(staging: Path, output: Path) -> None:
-    """Rename the finished `staging` folder to `output`: `output` is at every moment absent, the model it held
-    (replaced with --overwrite, checked before training) or the new one, never half-written."""
-    if output.is_dir() and not any(output.iterdir()):
-        output.rmdir()
-    if not output.exists():
-        os.replace(staging, output)
-        return
-    replaced = output.parent / f".{output.name}.replaced-{os.getpid()}"
-    os.replace(output, replaced)
-    os.replace(staging, output)
-    shutil.rmtree(replaced)
-
-
-def checkpoint_note(output: Path) -> str:
-    """What an interrupted run leaves: its last checkpoint in `output`, and how to continue from it."""
-    last = get_last_checkpoint(output) if output.is_dir() else None
-    if last is None:
-        return "nothing saved"
-    return f"saved {last}: run the same command with --resume to continue from it"
-
-
-@contextmanager
-def nothing_half_written(trainer: Trainer, progress, staging: Path, output: Path, existing: Path) -> Iterator[None]:
-    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove `staging`, and the folders made for the run
-    below `existing` (the part of the path there before this run) where they hold no checkpoint; say in one line
-    what stopped at which step, and which checkpoint it left."""
-    try:
-        yield
-    except BaseException as error:
-        progress.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_created_folders(output, existing)
-        state = trainer.state
-        where = (f"at step {state.global_step} of {state.max_steps}" if state.global_step < state.max_steps
-                 else "while saving")
-        if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (`Terminated`, with its exit status)
-            stopped = Interrupted(f"{str(error) or 'interrupted'} {where}; {checkpoint_note(output)}")
-            stopped.exit_code = getattr(error, "exit_code", stopped.exit_code)
-            raise stopped from None
-        if isinstance(error, (OSError, SafetensorError)):  # safetensors' write errors are no OSError
-            raise OSError(f"could not save the model ({error}); nothing saved: free some space, or choose another "
-                          "--output") from error
-        if isinstance(error, ValueError):
-            raise ValueError(f"{error}; nothing saved") from error
-        raise
 
 
 def save_training_args(args: argparse.Namespace, result, folder: Path, start: int) -> None:
@@ -423,22 +216,12 @@ def run_train(args: argparse.Namespace) -> None:
     callbacks = [NonFiniteStopCallback(f"lower --learning-rate ({args.learning_rate:g})")]
     if args.minutes is not None:
         callbacks.append(TimeLimit(args.minutes))
-    shutil.rmtree(staging, ignore_errors=True)  # a killed run's, whose process id this one has
-    if not args.resume:  # --overwrite: a new run, whose checkpoints are not to be mixed with an older run's
-        for checkpoint in checkpoints(output):
-            shutil.rmtree(checkpoint)
-    stop = CheckpointOnStop()
-    trainer = Trainer(model=model, args=training_arguments(args, output), train_dataset=dataset,
-                      callbacks=[*callbacks, stop])
-    for printer in (ProgressCallback, PrinterCallback):
-        trainer.remove_callback(printer)
-    progress = QuietProgress() if TERMINAL else PlainProgress(args.progress_seconds)
-    trainer.add_callback(progress)
+    clear_run(output, staging, args.resume)
+    trainer, progress, stop = cli_trainer(model, training_arguments(args, output), dataset, callbacks,
+                                          args.progress_seconds)
     with nothing_half_written(trainer, progress, staging, output, existing):
         start = checkpoint_step(checkpoints(output)[-1]) if args.resume else 0
-        with stop.installed():
-            result = trainer.train(resume_from_checkpoint=args.resume or None)
-        stop.raise_if_stopped()
+        result = train_until_stopped(trainer, stop, args.resume)
         steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
         print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
         check_finite_weights(model, "the trained model")
@@ -625,8 +408,3 @@ def run_upload(args: argparse.Namespace) -> None:
 
     publish(args.model_dir, args.repo_id, args.dry_run, args.private, args.license)
 
-
-def run_serve(args: argparse.Namespace) -> None:
-    from ..serving import serve
-
-    serve(args)

@@ -16,9 +16,8 @@ Two paths:
 These are tools, not Hub code: `modeling_diff.py` does not import this module.
 """
 
-import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,13 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 
 from ..configuration_diff import DiffConfig
 from ..modeling_diff import DiffForCausalLM
+from .target import copy_tokenizer, load_target
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "diffllama")
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
 SHARED_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act", "max_position_embeddings",
     "initializer_range", "rms_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
@@ -187,17 +183,6 @@ def import_diffllama(source: PreTrainedModel) -> DiffForCausalLM:
     return build_target(config, state, source)
 
 
-def load_target(config: DiffConfig, state: dict, dtype: torch.dtype,
-                check: Callable[[dict, DiffForCausalLM], None] | None = None) -> DiffForCausalLM:
-    """A `DiffForCausalLM` of `config` in `dtype` holding `state` (all of its weights; `check(state, model)` may
-    refuse them first), in eval mode."""
-    model = DiffForCausalLM._from_config(config, dtype=dtype)
-    if check is not None:
-        check(state, model)
-    model.load_state_dict(state, strict=True)
-    return model.eval()
-
-
 def build_target(config: DiffConfig, state: dict, source: PreTrainedModel) -> DiffForCausalLM:
     model = load_target(config, state, next(source.parameters()).dtype)
     model.generation_config = source.generation_config
@@ -210,14 +195,6 @@ def convert(source: PreTrainedModel, **options) -> DiffForCausalLM:
     if source.config.model_type == "diffllama":
         return import_diffllama(source)
     return convert_llama_family(source, **options)
-
-
-def copy_tokenizer(src: str, out: str) -> list[str]:
-    """Copy the tokenizer files that exist in a local source folder; return their names."""
-    copied = [name for name in TOKENIZER_FILES if (Path(src) / name).is_file()]
-    for name in copied:
-        shutil.copy2(Path(src) / name, Path(out) / name)
-    return copied
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "auto", **options) -> DiffForCausalLM:

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from .folders import read_text_file
-from .tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
+from ..saved_folder import read_text_file
+from ..tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .. import (
     DiffModel,
 )
 from ..folder_defaults import generation_defaults
-from .folders import PICKLED, FolderError, check_files, pickled_files, read_config, read_json
+from ..saved_folder import PICKLED, FolderError, check_folder, pickled_files, read_json
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 AUTO_CLASSES = (
@@ -58,13 +58,9 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
     if not REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
         raise UploadError(f"repo id {repo_id!r} must look like 'user-or-org/model-name'")
     try:
-        config = read_config(model_dir)
-        check_files(model_dir)
+        return check_folder(model_dir, diff=True)
     except FolderError as error:
         raise UploadError(str(error)) from None
-    if config.get("model_type") != DiffConfig.model_type:
-        raise UploadError(f"{model_dir} holds model_type {config.get('model_type')!r}, not 'diff_transformer'")
-    return config
 
 
 def auto_map() -> dict[str, str]:

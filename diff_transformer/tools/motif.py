@@ -31,8 +31,8 @@ from transformers import GenerationConfig
 
 from ..configuration_diff import POLY_NORM, DiffConfig
 from ..modeling_diff import DiffForCausalLM
-from .convert import copy_tokenizer, load_target
-from .folders import read_config
+from ..saved_folder import read_config
+from .target import copy_tokenizer, load_target
 from .unilm import sub_head_rows
 
 MOTIF_ARCHITECTURES = ("MotifForCausalLM",)

@@ -11,7 +11,7 @@ import torch
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.serving import layout, server
-from diff_transformer.tools.tokenizer import build_word_tokenizer
+from diff_transformer.tokenization_diff import build_word_tokenizer
 from diff_transformer_cli import build_parser
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -138,7 +138,7 @@ def test_adapter_folder_is_refused_with_merge_advice(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "modules_to_save": ["lambda_params", "subln"]}))
-    with pytest.raises(ValueError, match="is a PEFT adapter.*merge_and_unload\\(\\).save_pretrained"):
+    with pytest.raises(ValueError, match="holds a PEFT adapter.*merge_and_unload\\(\\).save_pretrained"):
         server.check_folder(str(adapter))
 
 

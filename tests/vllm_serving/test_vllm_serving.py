@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
 
 from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
-from diff_transformer.tools.tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer  # noqa: E402
+from diff_transformer.tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, build_word_tokenizer  # noqa: E402
 from diff_transformer_cli import main as cli_main  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU build needs the size said

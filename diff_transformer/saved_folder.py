@@ -1,8 +1,10 @@
-"""Is this a usable saved model folder? Pure functions on paths and JSON, shared by the command line's argument checks,
-`serve` and `upload`, each answering a bad folder in one line that names the fix.
+"""Is this a usable saved model folder of the Differential Transformer (arXiv 2410.05258)? The one place that answers,
+one line per fault naming the fix: no such folder, a file in its place, a PEFT adapter without its model, no
+config.json, a config.json that is not JSON, no or another `model_type`, no tokenizer, no safetensors weights. The
+configuration (`configuration_diff.py`), the command line's argument checks, serving and the Hub upload all ask here.
 
-Torch-free: it imports the standard library only, so `diff_transformer_cli` loads it while parsing arguments without
-importing torch or transformers (see `diff_transformer_cli.load_torch_free`)."""
+Standard library only: the command line loads it while parsing arguments, before torch or transformers, and a saved
+folder ships it beside `configuration_diff.py`, which imports it."""
 
 import json
 import os
@@ -19,6 +21,8 @@ TOKENIZER_FILES = (
 # Files Python's pickle writes (weights of old checkpoints, Trainer's training_args.bin, optimizer states): loading
 # one runs code its author chose, so a model's weights must be safetensors.
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
+MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type
+CONVERTIBLE = "Llama, Mistral, Qwen2, DiffLlama and Motif-2 checkpoints"  # what `diff-transformer convert` reads
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the folders Trainer saves its checkpoints in, by step
 
 
@@ -74,14 +78,29 @@ def checkpoints(folder: str | os.PathLike) -> list[Path]:
 def missing_folder(folder: str | os.PathLike) -> str | None:
     """Why `folder` is no folder (the first part of its path that does not exist, or the file in its place), or
     None."""
-    path = Path(folder)
+    path = Path(os.path.expanduser(folder))
     if path.is_dir():
         return None
+    if path.is_file():
+        return f"{folder} is a file, not a folder; give the folder save_pretrained() wrote"
     existing = nearest_existing(path)
     if existing.is_dir():
         missing = existing / path.absolute().relative_to(existing).parts[0]
         return f"no such folder: {folder} ({missing} does not exist)"
     return f"no such folder: {folder} ({existing} is a file)"
+
+
+def check_local_path(path: str | os.PathLike) -> None:
+    """Raise `FileNotFoundError` for a missing folder that is plainly meant as local: `./x`, `/x`, `~/x`, `x` alone,
+    `a/b/c`, or `a/b` where `a/` exists here. transformers would ask the Hub for it instead, which takes up to a
+    minute to fail without a connection. `user/model` with no local `user/` stays a Hub id."""
+    text = os.fspath(path)
+    if os.path.exists(os.path.expanduser(text)):
+        return
+    first = text.split("/")[0]
+    if text.startswith((".", "/", "~", "\\")) or text.count("/") != 1 or os.path.isdir(first):
+        raise FileNotFoundError(f"{missing_folder(text)}; give the folder save_pretrained() wrote, or a Hub id "
+                                "'user/model'")
 
 
 def adapter_only(folder: str | os.PathLike) -> str:
@@ -112,6 +131,36 @@ def read_config(folder: str | os.PathLike) -> dict:
         raise FolderError(f"{error}; fix it, or save the model again with save_pretrained") from None
 
 
+def wrong_model_type(found: object, source: str | os.PathLike) -> str:
+    """The answer for `source` (a folder, or a config's name) holding another architecture than the DIFF
+    Transformer's, which would otherwise load as a random model."""
+    source = os.fspath(source)
+    return (f"{source} holds a '{found}' model, not a DIFF Transformer ('{MODEL_TYPE}'); convert it first with "
+            f"`diff-transformer convert {source} OUT` ({CONVERTIBLE}), or use it as it is (AutoModelForCausalLM, "
+            "plain vLLM)")
+
+
+def check_model_type(config: dict, source: str | os.PathLike) -> None:
+    """`FolderError` when the settings `config` (of `source`) name another architecture; none named passes (a config
+    read as a DiffConfig is one)."""
+    found = config.get("model_type", MODEL_TYPE)
+    if found != MODEL_TYPE:
+        raise FolderError(wrong_model_type(found, source))
+
+
+def missing_model_type(config: dict, folder: str | os.PathLike, diff: bool) -> str | None:
+    """What to restore where a folder's config.json has no `model_type`, or None. Without one, transformers falls back
+    on the folder's code (`auto_map`) and asks on stdin whether to run it."""
+    if "model_type" in config:
+        return None
+    architectures = config.get("architectures") or []
+    if diff or any(str(name).startswith("Diff") for name in architectures):
+        restore = f'"model_type": "{MODEL_TYPE}"'
+    else:
+        restore = f"the model_type of its architecture ({', '.join(architectures) or 'unknown'}), e.g. \"llama\""
+    return f"{folder}/config.json has no \"model_type\"; restore {restore} in it"
+
+
 def pickled_files(folder: str | os.PathLike) -> list[str]:
     """Names of the folder's pickled files (`PICKLED`)."""
     return sorted({path.name for pattern in PICKLED for path in Path(folder).glob(pattern)})
@@ -128,3 +177,17 @@ def check_files(folder: str | os.PathLike) -> None:
         held = f" (only the pickled {', '.join(pickled)}, which run code when loaded)" if pickled else ""
         raise FolderError(f"{folder} has no safetensors weights{held}; load the model and save it again with "
                           f"model.save_pretrained({str(folder)!r}), which writes model.safetensors")
+
+
+def check_folder(folder: str | os.PathLike, diff: bool = False, files: bool = True) -> dict:
+    """The settings in `folder`/config.json once the folder passed every check: a config.json with a `model_type`
+    (the DIFF Transformer's with `diff`), and with `files` a tokenizer and safetensors weights; else `FolderError`
+    with the first fault."""
+    config = read_config(folder)
+    if problem := missing_model_type(config, folder, diff):
+        raise FolderError(problem)
+    if diff:
+        check_model_type(config, folder)
+    if files:
+        check_files(folder)
+    return config
