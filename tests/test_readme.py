@@ -82,6 +82,8 @@ BLOCKS = {
     "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm_serving serves a "
     "trained folder this way (bash .ci/run vllm)",
     "diff-transformer attention-noise out/my-model": "slow",
+    "--output docs/images/attention_noise": SKIP + "writes the committed example into docs/images; "
+    "tests/test_plots.py runs this command's evaluation and checks it against the committed table",
     "results = model.generate_batch(": SKIP + "tests/test_continuous_batching.py makes these calls on tiny models",
     "python -m diff_transformer.serving.transformers_serve FOLDER": SKIP + "tests/test_transformers_serve.py starts "
     "this server on a saved folder",

@@ -387,14 +387,15 @@ def run_eval_needle(args: argparse.Namespace) -> None:
     results = needle_accuracy(model, tokenizer, settings, progress=True)
     name = Path(args.model).name
     write_report(needle_table(results, settings, name), args.output,
-                 lambda path: save_heatmap(results, settings, path, needle_title(settings, name)))
+                 lambda path: save_heatmap(results, settings, path, needle_title(settings, name)) is not None)
 
 
 def run_attention_noise(args: argparse.Namespace) -> None:
     from .evaluation import attention_noise_reports, noise_table, save_noise_plot
 
     reports = attention_noise_reports(load_models(args, "eager"), args.length, args.needles, args.seed)
-    write_report(noise_table(reports), args.output, lambda path: save_noise_plot(reports, path))
+    write_report(noise_table(reports), args.output,
+                 lambda path: save_noise_plot(reports, path) is not None)
 
 
 def run_outliers(args: argparse.Namespace) -> None:

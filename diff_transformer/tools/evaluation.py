@@ -11,12 +11,18 @@
 - Activation outliers (Table 5): top-k magnitudes of attention logits (q k^T / sqrt(d), causal entries; both
   branches pooled, and each branch apart for differential models) and of hidden states (every decoder layer's output,
   the residual stream after each layer; not the final norm's output) against the exact median of all of them.
+
+The pictures (with matplotlib) draw exactly the arrays that pure functions return: `needle_grid` (accuracy by length
+and depth) and `noise_heatmaps` (per layer the answering position's row over the key positions: the differential map,
+each branch, and each other model's map, as in the paper's Figure 1).
 """
 
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -25,6 +31,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from ..kernel_common import split_branches
 from ..attention_kernels import capture_branch_attentions
 from ..modeling_diff import DiffAttention
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CITIES = (
     "Paris Lisbon Berlin Madrid Rome Vienna Prague Oslo Dublin Athens Cairo Lagos Nairobi Lima Quito Bogota Havana "
@@ -218,24 +227,34 @@ def pyplot():
     return plt
 
 
-def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, title: str) -> bool:
-    """Write the accuracy heatmap; False (nothing written) when matplotlib is not installed."""
+PLOT_DPI = 100  # the PNGs are figsize x PLOT_DPI pixels (no tight cropping)
+
+
+def needle_grid(results: dict, settings: NeedleSettings) -> np.ndarray:
+    """The accuracy heatmap's data [lengths, depths]: row i is settings.lengths[i], column j settings.depths[j],
+    the cells of `accuracy_table` in its order."""
+    return np.array([[results[(length, d)] for d in settings.depths] for length in settings.lengths], dtype=float)
+
+
+def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, title: str) -> "Figure | None":
+    """Write the accuracy heatmap (`needle_grid`: lengths down, depths across, each cell's value printed) and return
+    its matplotlib Figure; None (nothing written) when matplotlib is not installed."""
     plt = pyplot()
     if plt is None:
-        return False
-    grid = [[results[(length, d)] for d in settings.depths] for length in settings.lengths]
-    fig, ax = plt.subplots(figsize=(1.2 * len(settings.depths) + 2, 0.6 * len(settings.lengths) + 2))
+        return None
+    grid = needle_grid(results, settings)
+    size = (1.2 * len(settings.depths) + 2, 0.6 * len(settings.lengths) + 2)
+    fig, ax = plt.subplots(figsize=size, dpi=PLOT_DPI, layout="constrained")
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(settings.depths)), [f"{d:g}%" for d in settings.depths])
     ax.set_yticks(range(len(settings.lengths)), [str(n) for n in settings.lengths])
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center")
     ax.set(xlabel="answer depth", ylabel="context length (tokens)", title=title)
-    fig.colorbar(image, ax=ax)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
-    return True
+    return fig
 
 
 def load_model(model_dir: str, attn_implementation: str = "sdpa"):
@@ -422,29 +441,98 @@ def threshold_table(reports: dict[str, dict], limit: float) -> list[str]:
     return lines
 
 
-def save_noise_plot(reports: dict[str, dict], path: str | Path) -> bool:
-    """Layer-averaged attention of the answering position over the prompt: DIFF A1, lambda A2, A1 - lambda A2,
-    and each other model's map; the answer needle is shaded. False (nothing written) without matplotlib."""
+@dataclass
+class Heatmap:
+    """One panel of the attention-noise figure: the answering position's head-averaged attention row per layer."""
+
+    values: np.ndarray  # [layers, keys]
+    kind: str  # "differential" (A1 - lambda A2: signed, rows sum to 1 - lambda) or "weights" (A1, lambda A2, softmax)
+    answer: tuple[int, int]  # key positions [start, end) of the answer needle
+    question: int  # the first key position after the context (the question, which the table does not count)
+
+
+def answer_span(report: dict) -> tuple[int, int]:
+    """[first, last + 1) of the answer needle's key positions in an `attention_noise` report."""
+    positions = report["positions"]["answer"].nonzero().flatten()
+    return positions.min().item(), positions.max().item() + 1
+
+
+def question_start(report: dict) -> int:
+    """The first key position after the context (answer and noise) in an `attention_noise` report."""
+    positions = report["positions"]
+    return (positions["answer"] | positions["noise"]).nonzero().max().item() + 1
+
+
+def noise_heatmaps(reports: dict[str, dict]) -> dict[str, Heatmap]:
+    """The attention-noise figure's data, {panel title: Heatmap}, from `attention_noise` reports: per differential
+    model its map A1 - lambda A2 ("rows", what the table sums), branch 1 (A1) and branch 2 (lambda A2); per other
+    model its softmax map. Rows are layers, columns key positions; heads are averaged as the table's raw figures are,
+    so a row's sum over the answer positions is the table's raw answer for that layer."""
+    panels = {}
+    for name, report in reports.items():
+        span, question = answer_span(report), question_start(report)
+        rows = np.stack([row.float().numpy() for row in report["rows"]])  # L x [S] -> [L, S]
+        if not report["branch_rows"]:
+            panels[f"{name}: softmax map"] = Heatmap(rows, "weights", span, question)
+            continue
+        branch_1, branch_2 = (np.stack([pair[b].float().numpy() for pair in report["branch_rows"]]) for b in (0, 1))
+        panels[f"{name}: A1 - lambda A2 (differential map)"] = Heatmap(rows, "differential", span, question)
+        panels[f"{name}: A1 (branch 1)"] = Heatmap(branch_1, "weights", span, question)
+        panels[f"{name}: lambda A2 (branch 2)"] = Heatmap(branch_2, "weights", span, question)
+    return panels
+
+
+NOISE_COLOURS = {  # per panel kind: colour map and whether its scale is symmetric about 0
+    "differential": ("RdBu_r", True), "weights": ("magma", False)}
+
+
+def colour_limits(panels: dict[str, Heatmap]) -> dict[str, tuple[float, float]]:
+    """One colour scale per panel kind over all its panels: [0, max] for weights (from the minimum if below 0: a
+    negative lambda makes lambda A2 negative), [-m, m] (m = max |value|) for differential maps, so that equal colours
+    are equal weights across models and branches."""
+    limits = {}
+    for kind, (_, symmetric) in NOISE_COLOURS.items():
+        values = [p.values for p in panels.values() if p.kind == kind]
+        if values:
+            top = max(float(np.abs(v).max()) for v in values) or 1.0
+            limits[kind] = (-top, top) if symmetric else (min(0.0, min(float(v.min()) for v in values)), top)
+    return limits
+
+
+def save_noise_plot(reports: dict[str, dict], path: str | Path) -> "Figure | None":
+    """Write the attention-noise heatmaps (`noise_heatmaps`, one panel each, in its order; the answer needle outlined,
+    the question after a dashed line; one colour scale per kind) and return the matplotlib Figure; None (nothing
+    written) without matplotlib."""
     plt = pyplot()
     if plt is None:
-        return False
-    curves = []
-    for name, report in reports.items():
-        if report["branch_rows"]:
-            curves.append((f"{name}: A1", torch.stack([b[0] for b in report["branch_rows"]]).mean(0), report))
-            curves.append((f"{name}: lambda A2", torch.stack([b[1] for b in report["branch_rows"]]).mean(0), report))
-        curves.append((f"{name}: attention map", torch.stack(report["rows"]).mean(0), report))
-    fig, axes = plt.subplots(len(curves), 1, figsize=(10, 1.8 * len(curves)), sharex=True, squeeze=False)
-    for ax, (label, curve, report) in zip(axes[:, 0], curves):
-        ax.plot(curve.numpy(), linewidth=0.8)
-        answer = report["positions"]["answer"].nonzero().flatten()
-        ax.axvspan(answer.min().item(), answer.max().item() + 1, color="orange", alpha=0.3)
-        ax.set_title(label, fontsize=9)
-    axes[-1, 0].set_xlabel("key position (orange: answer needle)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        return None
+    from matplotlib.patches import Rectangle
+
+    panels, images = noise_heatmaps(reports), {}
+    limits = colour_limits(panels)
+    height = sum(0.3 * len(p.values) + 0.8 for p in panels.values()) + 0.8
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, height), dpi=PLOT_DPI, sharex=True, squeeze=False,
+                             layout="constrained", height_ratios=[len(p.values) + 2 for p in panels.values()])
+    for ax, (title, panel) in zip(axes[:, 0], panels.items()):
+        layers = len(panel.values)
+        images.setdefault(panel.kind, []).append(ax.imshow(
+            panel.values, cmap=NOISE_COLOURS[panel.kind][0], vmin=limits[panel.kind][0],
+            vmax=limits[panel.kind][1], aspect="auto", interpolation="nearest"))
+        start, end = panel.answer
+        ax.add_patch(Rectangle((start - 0.5, -0.5), end - start, layers, fill=False, edgecolor="lime", linewidth=2))
+        ax.axvline(panel.question - 0.5, color="0.6", linestyle="--", linewidth=1)
+        ax.set_yticks(range(layers))
+        ax.set_ylabel("layer")
+        ax.set_title(title, fontsize=10, loc="left")
+    for kind, kind_images in images.items():
+        label = "A1 - lambda A2 weight" if kind == "differential" else "attention weight"
+        fig.colorbar(kind_images[0], ax=[image.axes for image in kind_images], label=label, shrink=0.9)
+    axes[-1, 0].set_xlabel("key position (outlined: the answer needle; right of the dashed line: the question, "
+                           "not counted as noise)")
+    fig.suptitle("Attention of the answering position per layer, heads averaged", fontsize=11)
+    fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
-    return True
+    return fig
 
 
 def attention_noise_reports(models: dict[str, tuple], length: int, needles: int, seed: int) -> dict[str, dict]:
@@ -566,5 +654,6 @@ def outlier_reports(models: dict[str, tuple], length: int, top_k: int, seed: int
 __all__ = [
     "NeedleSettings", "build_needle_prompt", "needle_accuracy", "accuracy_table", "allocation", "attention_noise",
     "activation_outliers", "activation_tensors", "exact_median", "magnitude_stats", "threshold_sweep", "noise_table",
-    "outlier_table", "needle_table", "attention_noise_reports", "outlier_reports",
+    "outlier_table", "needle_table", "attention_noise_reports", "outlier_reports", "needle_grid", "save_heatmap",
+    "noise_heatmaps", "save_noise_plot",
 ]
