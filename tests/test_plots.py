@@ -31,7 +31,7 @@ from diff_transformer.tools.evaluation import (
     save_heatmap,
     save_noise_plot,
 )
-from diff_transformer.tools.tokenizer import train_bpe_tokenizer
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
 from diff_transformer_cli import build_parser
 
 pytest.importorskip("matplotlib")
