@@ -36,6 +36,7 @@ PAPER = {
     "top-1 hidden state": "DIFF 1688.2, Transformer 3608.6 (Table 5)",
     "logits at 4 bits": "zero-shot accuracy: DIFF kept, the Transformer's dropped (Figure 8)",
 }
+PAPER_TOKEN_RATIO = "~0.64 (the paper, Figure 3, 830M-13B parameters)"
 
 
 def load_rows(root: Path, task_folder: str) -> list[dict]:
@@ -161,7 +162,7 @@ def experiments(root: Path) -> list[tuple[str, list[dict]]]:
     return groups
 
 
-def paper_small_readme(root: Path) -> str:
+def paper_small_figures(root: Path) -> str:
     groups = experiments(root)
     text, long, retrieval = 0, 1, 2
     cutoff = f"{groups[retrieval][1][0]['min_row_sum']:g}"
@@ -260,16 +261,34 @@ def interval_cell(module, a: list[float], b: list[float]) -> str:
     return f"{gap['mean']:+.3f} ± {gap['sd']:.3f}, 90% interval [{low:+.3f}, {high:+.3f}]"
 
 
-def lm_scaling(root: Path) -> str:
-    """The single-epoch comparison (benchmarks/lm_scaling.py) from its results.json, with its own analysis code."""
+def load_lm_scaling(root: Path) -> tuple:
+    """(benchmarks/lm_scaling.py as a module, its results.json, the token-ratio statistics of its main runs)."""
     spec = importlib.util.spec_from_file_location("lm_scaling", root / "benchmarks" / "lm_scaling.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     results = json.loads((root / "benchmarks" / "lm_scaling" / "results.json").read_text())
-    cfg, runs, study = results["config"], results["runs"], results["studies"]["inits"]
+    cfg, runs = results["config"], results["runs"]
     curves = {m: [runs["main"][m][str(seed)]["curve"] for seed in cfg["seeds"]] for m in module.MODELS}
-    stats = module.analyse(curves, results["fit_skip"])
-    tokens = curves["DIFF"][0][-1]["tokens"]
+    return module, results, module.analyse(curves, results["fit_skip"])
+
+
+def single_pass_tokens(results: dict) -> int:
+    """The training tokens of one lm_scaling run: its one pass over the corpus."""
+    seed = results["config"]["seeds"][0]
+    return results["runs"]["main"]["DIFF"][str(seed)]["curve"][-1]["tokens"]
+
+
+def ratio_cell(module, stats: dict) -> str:
+    ratio = stats["ratio"]["diff_over_llama"]
+    return (f"{module.fmt_ratio(ratio['estimate'])}, 90% interval [{module.fmt_ratio(ratio['p05'])}, "
+            f"{module.fmt_ratio(ratio['p95'])}]")
+
+
+def lm_scaling(root: Path) -> str:
+    """The single-epoch comparison (benchmarks/lm_scaling.py) from its results.json, with its own analysis code."""
+    module, results, stats = load_lm_scaling(root)
+    cfg, study = results["config"], results["studies"]["inits"]
+    tokens = single_pass_tokens(results)
     seeds = ", ".join(str(seed) for seed in cfg["seeds"])
     cell = lambda values: "{mean:.3f} ± {sd:.3f}".format(**module.spread(values))
     lines = [f"One pass over {tokens:,} byte tokens of {results['corpus']['name']} {results['corpus']['version']}'s "
@@ -300,20 +319,59 @@ def lm_scaling(root: Path) -> str:
         elsewhere = (" -0.016 ± 0.023 nats at 30M parameters, 100M tokens, 4 seeds (an independent replication) "
                      if (a, b) == ("DIFF", "Llama") else " ")
         lines.append(f"| {a} - {b} | | | {interval_cell(module, finals[a], finals[b])} |{elsewhere}|")
-    ratio = stats["ratio"]["diff_over_llama"]
     best = results["best_init"]
     lines.append(f"| tokens DIFF needs for Llama's final loss, over Llama's (each at its best initialisation: "
-                 f"DIFF {best['DIFF']}, Llama {best['Llama']}) | | | {module.fmt_ratio(ratio['estimate'])}, "
-                 f"90% interval [{module.fmt_ratio(ratio['p05'])}, {module.fmt_ratio(ratio['p95'])}] "
-                 "(extrapolated fit) | ~0.64 (the paper, Figure 3, 830M-13B parameters) |")
+                 f"DIFF {best['DIFF']}, Llama {best['Llama']}) | | | {ratio_cell(module, stats)} "
+                 f"(extrapolated fit) | {PAPER_TOKEN_RATIO} |")
+    return "\n".join(lines)
+
+
+def models_cell(runs: list[dict], get: Callable, digits: int = 3) -> str:
+    """'DIFF x ± s, DiffLlama y ± s, Llama z ± s': each model's mean ± sd over its seeds."""
+    out = []
+    for model in MODELS:
+        values = [get(r) for r in runs if r["model"] == model]
+        figure = f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+        out.append(f"{'Llama' if model == 'Transformer' else model} {figure}")
+    return ", ".join(out)
+
+
+def readme_summary(root: Path) -> str:
+    """The README's few lines of evidence: the headline figure of each experiment; the tables are in
+    docs/evaluation.md."""
+    (text_title, text), _, (retrieval_title, retrieval) = experiments(root)
+    params = sorted({r["params"] for r in text + retrieval})
+    module, results, stats = load_lm_scaling(root)
+    cfg, chosen = results["config"], results["chosen_init"]
+    finals = module.final_losses(results, chosen)
+    tokens = single_pass_tokens(results)
+    seeds = ", ".join(map(str, cfg["seeds"]))
+    lines = [
+        f"- Small-scale reproduction (`benchmarks/paper_small.py`, {params[0] / 1e6:.2f}-{params[-1] / 1e6:.2f}M "
+        "parameters, Llama's initialisation), mean ± sd over seeds:",
+        f"  - {text_title}: validation loss {models_cell(text, lambda r: r['val_loss'])}",
+        f"  - {retrieval_title}: accuracy {models_cell(retrieval, lambda r: r['accuracy'])}",
+        f"  - {text_title}: top-1 / median hidden state (§3.8) "
+        f"{models_cell(text, outlier('hidden states', 'top1 / median'), 1)}",
+        f"- Single epoch (`benchmarks/lm_scaling.py`, {results['parameters']['DIFF']:,} parameters, one pass over "
+        f"{tokens:,} byte tokens, seeds {seeds} paired, initialisation `{chosen}`"
+        f"{' (the default)' if chosen == module.PACKAGE_DEFAULT else ''}):",
+        f"  - final validation loss, DIFF - Llama: {interval_cell(module, finals['DIFF'], finals['Llama'])}",
+    ]
+    if "DIFF-lambda0" in finals:
+        lines.append(f"  - final validation loss, DIFF - DIFF with lambda held at 0: "
+                     f"{interval_cell(module, finals['DIFF'], finals['DIFF-lambda0'])}")
+    lines.append(f"  - tokens DIFF needs for Llama's final loss, over Llama's: {ratio_cell(module, stats)}; "
+                 f"{PAPER_TOKEN_RATIO}")
     return "\n".join(lines)
 
 
 SECTIONS: dict[str, Callable[[Path], str]] = {
     "lm-scaling": lm_scaling,
-    "paper-small-readme": paper_small_readme,
+    "paper-small-figures": paper_small_figures,
     "paper-small-text": paper_small_text,
     "paper-small-retrieval": paper_small_retrieval,
+    "readme-summary": readme_summary,
 }
 
 

@@ -11,7 +11,8 @@ backward on CPU, so only its forward is checked there. diff_flash runs under the
 
 import pytest
 import torch
-from kernel_cases import Case, check_against_reference, empty_rows, key_valid, leaves, padding_mask, seeded_randn
+from helpers.kernel_cases import (Case, check_against_reference, empty_rows, key_valid, leaves, padding_mask,
+                                  seeded_randn)
 from helpers import tiny_config
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 

@@ -16,7 +16,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytest.importorskip("triton")
 
-from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn  # noqa: E402
+from helpers.kernel_cases import (Case, check_against_reference, empty_rows, leaves, padding_mask,  # noqa: E402
+                                  seeded_randn)
 
 import diff_transformer.kernel_diff_flash as kernels  # noqa: E402
 from diff_transformer.kernel_diff_flash import diff_flash_attention, triton_available  # noqa: E402

@@ -17,11 +17,11 @@ pipeline("text-generation") on a saved folder path: greedy, sampling, beam searc
 batching."""
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import STACKS, assert_close, build_stack, tiny_config
+from helpers import STACKS, assert_close, build_stack
+from helpers.folders import save_tiny_folder
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache, pipeline, set_seed
 from transformers.integrations.executorch import get_head_shapes
 from transformers.utils.output_capturing import OutputRecorder
@@ -29,8 +29,6 @@ from transformers.utils.output_capturing import OutputRecorder
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.attention_kernels import DIFF_FLASH, triton_available
 from diff_transformer.input_checks import CACHE_KWARG
-from diff_transformer.tools.data import KeyValueTask
-from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
 needs_triton = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 BACKENDS = ["eager", "sdpa", pytest.param(DIFF_FLASH, marks=needs_triton)]
@@ -276,22 +274,6 @@ def test_inherits_generation_mixin():
 
 PROMPTS = ["k1 v2 k3 v4 ? k1", "k5 v6 ?", "k7 v8 k9 v10 k11 v12 ? k9"]
 NEW_TOKENS = 6
-
-
-def save_tiny_folder(path: Path) -> Path:
-    """A tiny DiffForCausalLM and a byte-level BPE tokenizer, saved together (also used by the Hub tests)."""
-    tokenizer = train_bpe_tokenizer(texts=KeyValueTask().texts(200), vocab_size=300)
-    config = tiny_config(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=None, initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
 
 
 @pytest.fixture(scope="module")

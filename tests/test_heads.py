@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 from helpers import tiny_config
+from helpers.without_package import run_without_package
 from peft import LoraConfig, get_peft_model
-from test_saved_folder import run_without_package
 from transformers import (
     AutoConfig,
     AutoModelForQuestionAnswering,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_saved_folder import client_results, run_without_package
-from test_generation import save_tiny_folder
+from helpers.folders import save_tiny_folder
+from helpers.without_package import client_results, run_without_package
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
 from diff_transformer.tools import hub_upload

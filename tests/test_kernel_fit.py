@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_close, build_stack
-from test_saved_folder import run_without_package
+from helpers.without_package import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
 from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from motif_format import BASE, CASES, FAULTS, random_weights, reference_logits, write_motif_folder
+from helpers.motif_format import BASE, CASES, FAULTS, random_weights, reference_logits, write_motif_folder
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools.motif import MotifFormatError, added_parameters, convert_motif, import_motif
@@ -99,7 +99,7 @@ def test_lora_with_the_project_defaults_trains_and_merges(converted):
     """LoRA on the default targets plus the differential parameters (`DIFF_TRAINABLE_MODULES`), a few steps of one
     memorised batch: the loss falls, PolyNorm stays frozen, and the merged model gives the adapter's logits."""
     from peft import LoraConfig, get_peft_model
-    from test_peft import MERGE_ATOL, train
+    from helpers.adapter_training import MERGE_ATOL, train
 
     from diff_transformer.peft_defaults import DIFF_TRAINABLE_MODULES, LORA_TARGET_MODULES
 
@@ -157,7 +157,7 @@ def test_trainer_lora_then_pipeline_on_a_converted_folder(converted, tmp_path):
 def test_folder_loads_with_trust_remote_code_without_the_package(converted, tmp_path):
     """The converted folder's own code (PolyNorm, the lambda offset, the SubLN epsilon) computes the reference
     logits in a fresh interpreter where `diff_transformer` cannot be imported."""
-    from test_saved_folder import run_without_package
+    from helpers.without_package import run_without_package
 
     fields, weights, _, folder = converted
     torch.save(reference_logits(weights, fields, IDS), tmp_path / "expected.pt")

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from helpers import STACKS, tiny_config
+from helpers.adapter_training import MERGE_ATOL, train
 from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING
 from peft.utils import PeftType
@@ -16,10 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from diff_transformer import DiffForCausalLM
 from diff_transformer.peft_defaults import DIFF_TRAINABLE_MODULES, LORA_TARGET_MODULES, fit_prefix, prefix_head_width
 
-# fp32 logits of the merged model vs the adapter model: only summation order differs (largest measured over the
-# method matrix: 5.1e-6, OSF on Llama; 2.1e-6 on DIFF).
-MERGE_ATOL = 2e-5
-STEPS, LR = 20, 1e-2
 LOSS_RATIO = 0.9  # final/initial loss after STEPS steps on one memorised batch
 
 
@@ -32,19 +29,6 @@ def base_model() -> DiffForCausalLM:
 def lora_model(base: DiffForCausalLM):
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=list(DIFF_TRAINABLE_MODULES))
     return get_peft_model(base, config)
-
-
-def train(model, batch: torch.Tensor, steps: int = STEPS, lr: float = LR) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def max_mean(a: torch.Tensor, b: torch.Tensor) -> str:

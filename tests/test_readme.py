@@ -346,7 +346,7 @@ def test_readme_main_command_on_a_fresh_copy(tmp_path, block):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     accuracy = float(re.search(r"retrieval accuracy on held-out prompts: ([\d.]+)", output).group(1))
-    assert accuracy >= 0.95, f"held-out retrieval accuracy {accuracy} (README: 1.000 with the default seed)"
+    assert accuracy >= 0.95, f"held-out retrieval accuracy {accuracy} (RESULTS.md: 1.000 with the default seed)"
     assert "generated: k3 v7 k9 v2 ? k9 v2" in result.stdout, result.stdout[-2000:]
 
 

@@ -44,7 +44,9 @@ def test_quoted_numbers_are_the_stored_results(summaries):
     texts = {d: (ROOT / d).read_text() for d in summaries.DOCUMENTS}
     used = {m["name"] for text in texts.values() for m in summaries.BLOCK.finditer(text)}
     assert used == set(summaries.SECTIONS), f"sections without a block, or blocks without a section: {used}"
-    assert "<!-- generated: paper-small-readme -->" in texts["README.md"]
+    assert "<!-- generated: paper-small-figures -->" in texts["docs/evaluation.md"]
+    in_readme = {m["name"] for m in summaries.BLOCK.finditer(texts["README.md"])}
+    assert in_readme == {"readme-summary"}, f"the README quotes the summary; the full tables live in docs: {in_readme}"
 
 
 def test_a_number_that_disagrees_is_caught(summaries, tmp_path):
@@ -52,32 +54,31 @@ def test_a_number_that_disagrees_is_caught(summaries, tmp_path):
     rendering puts the stored number back."""
     root = copy_tree(tmp_path)
     assert summaries.main(["--check", "--root", str(root)]) == 0
-    readme = root / "README.md"
-    original = readme.read_text()
+    page = root / "docs" / "evaluation.md"
+    original = page.read_text()
     long_runs = json.loads((root / "benchmarks" / "paper_small" / "text" / "results.json").read_text())["rows"]
     final = {row["model"]: row["val_loss"] for row in long_runs if row["task"] == "text-long"}
     quoted = "| " + " | ".join(f"{final[model]:.3f}" for model in ("DIFF", "DiffLlama", "Transformer")) + " |"
     assert original.count(quoted) == 1, f"the 3,200-step run's final losses are quoted: {quoted}"
     changed = quoted.replace(f"{final['Transformer']:.3f} |", f"{final['Transformer'] + 0.001:.3f} |")
-    readme.write_text(original.replace(quoted, changed))
-    assert summaries.stale(root) == ["README.md: paper-small-readme"]
+    page.write_text(original.replace(quoted, changed))
+    assert summaries.stale(root) == ["docs/evaluation.md: paper-small-figures"]
     assert summaries.main(["--check", "--root", str(root)]) == 1
     summaries.main(["--root", str(root)])
-    assert readme.read_text() == original
+    assert page.read_text() == original
 
     results = root / "benchmarks" / "paper_small" / "retrieval" / "results.json"
     stored = json.loads(results.read_text())
     stored["rows"][0]["accuracy"] += 0.01
     results.write_text(json.dumps(stored))
-    assert summaries.stale(root) == ["README.md: paper-small-readme", "docs/evaluation.md: paper-small-readme",
+    assert summaries.stale(root) == ["README.md: readme-summary", "docs/evaluation.md: paper-small-figures",
                                      "docs/evaluation.md: paper-small-retrieval"]
 
 
 def test_every_stored_run_is_reported_and_summarised_with_its_seed(summaries):
     """Each stored run (runs/*.pt) is a row of its report's results.json, and each row is a line of the per-run
-    tables in docs/evaluation.md and a seed of the README's table."""
+    tables in docs/evaluation.md and a seed of its table of every figure."""
     docs = (ROOT / "docs" / "evaluation.md").read_text()
-    readme = (ROOT / "README.md").read_text()
     for task_folder in ("text", "retrieval"):
         folder = ROOT / "benchmarks" / "paper_small" / task_folder
         rows = json.loads((folder / "results.json").read_text())["rows"]
@@ -89,7 +90,8 @@ def test_every_stored_run_is_reported_and_summarised_with_its_seed(summaries):
             line = f"| {row['model']} | {row['seed']} | {row['val_loss']:.3f} |"
             assert line in docs, f"docs/evaluation.md leaves out {row['task']} {row['model']} seed {row['seed']}"
             title = next(t for t, runs in summaries.experiments(ROOT) if row in runs)
-            assert f"| {title} |" in readme and summaries.seeds([row]).split()[-1] in title, (
-                f"README.md has no {row['task']} row for {title}")
+            assert f"| {title} |" in docs and summaries.seeds([row]).split()[-1] in title, (
+                f"docs/evaluation.md has no {row['task']} row for {title}")
             headline = row["accuracy"] if row["task"] == "retrieval" else row["val_loss"]
-            assert f"{headline:.3f}" in readme, f"README.md leaves out {row['task']} {row['model']} seed {row['seed']}"
+            assert f"{headline:.3f}" in docs, (
+                f"docs/evaluation.md leaves out {row['task']} {row['model']} seed {row['seed']}")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import tp_worker
-from local_ranks import torchrun
 from helpers import tiny_config
+from helpers.multiprocess import torchrun
 from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
+from workers import tp_worker
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.diff_tensor_parallel import branch_halves_rank_major

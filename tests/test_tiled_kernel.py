@@ -4,7 +4,7 @@ sdpa decode step."""
 
 import pytest
 import torch
-from kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn
+from helpers.kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn
 from helpers import assert_close
 
 from diff_transformer.attention_kernels import sdpa_decode_step

@@ -18,14 +18,14 @@ import pytest
 import torch
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 from helpers import assert_close, assert_grads_close, tiny_config
-from local_ranks import assert_same_losses, launch, torchrun
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from helpers.multiprocess import assert_same_losses, launch, torchrun
+from helpers.training import make_trainer
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainerState
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools.training import LambdaLoggingCallback
-from diff_transformer.tools.data import KeyValueTask, TokenBlocks, task_dataset
+from diff_transformer.tools.data import TokenBlocks
 
-TASK = KeyValueTask(num_keys=16, num_values=16, num_pairs=4)
 RESUME_RTOL = 1e-6  # same CPU kernels, same data order: resumed losses should match to fp32 rounding
 ACCUMULATION_RTOL = 3e-7  # 2x2 accumulated micro-batches vs one batch of 4: summation order only (measured 6.6e-8)
 BF16_ATOL = 5e-2  # first-step loss, bf16 autocast vs fp32
@@ -50,21 +50,6 @@ class StopAt(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         control.should_training_stop = state.global_step >= self.step
-
-
-def make_trainer(output_dir, callbacks=(), **overrides) -> Trainer:
-    tokenizer = TASK.tokenizer()
-    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
-    torch.manual_seed(0)
-    model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
-    fields = dict(
-        output_dir=str(output_dir), max_steps=8, per_device_train_batch_size=4, learning_rate=3e-3,
-        warmup_steps=2, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )
-    fields.update(overrides)
-    dataset = task_dataset(TASK, tokenizer, count=256, seed=0)
-    return Trainer(model=model, args=TrainingArguments(**fields), train_dataset=dataset, callbacks=list(callbacks))
 
 
 def losses(trainer: Trainer) -> dict[int, float]:

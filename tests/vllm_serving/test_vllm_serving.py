@@ -196,7 +196,7 @@ def test_converted_motif_folder_matches_transformers(tmp_path):
     """A Motif-2.6B-format folder (PolyNorm MLP with biases, GQA after the pairing, lambda_init offset -1, its own
     SubLN epsilon, untied head) converted by `diff-transformer convert`, served as any DIFF folder."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from motif_format import BASE, random_weights, write_motif_folder
+    from helpers.motif_format import BASE, random_weights, write_motif_folder
 
     from diff_transformer.tools.motif import convert_motif
 

@@ -1,6 +1,6 @@
 """The gradients of the first training step on several processes, for tests/test_training.py:
 
-    torchrun --nproc_per_node 2 tests/grad_worker.py OUT_DIR ddp|fsdp
+    torchrun --nproc_per_node 2 tests/workers/grad_worker.py OUT_DIR ddp|fsdp
 
 ddp: examples/ddp_train.py's Trainer setup (DistributedDataParallel, gloo on CPU), one step without gradient
 clipping, the gradients read as the optimizer gets them (all-reduced). fsdp: examples/fsdp_train.py's FSDP2 sharding,

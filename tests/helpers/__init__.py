@@ -2,6 +2,12 @@
 attention layer in fp64 from its raw weight matrices (`reference_diff_attention`: projections, RoPE, SubLN and the
 output projection written from docs/design.md, the attention itself the package's one fp64 reference,
 `naive_diff_attention`). Reading raw weights (no model code) checks the weight row layout as well.
+
+The package's modules hold what some test files share: kernel_cases (kernel shapes and inputs), motif_format
+(Motif-2 folders in the publisher's format), multiprocess (scripts on several processes), without_package (a fresh
+interpreter without `diff_transformer`), training (a tiny Trainer), folders (a tiny saved folder) and
+adapter_training (a few optimizer steps on one batch). A test module imports from here, never from another test
+module (tests/test_layout.py checks it).
 """
 
 import math

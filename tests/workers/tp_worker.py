@@ -1,6 +1,6 @@
 """Tensor-parallel run of saved models; used by tests/test_tensor_parallel.py.
 
-    torchrun --nproc_per_node 2 tests/tp_worker.py OUTPUT_DIR MODEL_DIR [MODEL_DIR ...]
+    torchrun --nproc_per_node 2 tests/workers/tp_worker.py OUTPUT_DIR MODEL_DIR [MODEL_DIR ...]
 
 Loads each folder with `from_pretrained(folder, tp_plan="auto")` and reports `measure` of it per rank, with the
 rank's local shards of the attention weights. `measure` of the unsharded model is the single-process reference.

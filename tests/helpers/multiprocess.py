@@ -1,5 +1,5 @@
-"""Run a script of examples/ or tests/ on several local processes (torchrun, gloo on CPU) and read back what each
-rank wrote.
+"""Run a script of examples/ or tests/workers/ on several local processes (torchrun, gloo on CPU) and read back what
+each rank wrote.
 
 The scripts take the output folder as their first argument and end with `results.finish` (examples/results.py).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT_FOLDERS = (ROOT / "examples", ROOT / "tests")
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT_FOLDERS = (ROOT / "examples", ROOT / "tests" / "workers")
 
 
 def torchrun(script: str, nproc: int, output_dir: Path, *args: str, timeout: float = 300) -> list[dict]:
@@ -24,7 +24,7 @@ def torchrun(script: str, nproc: int, output_dir: Path, *args: str, timeout: flo
 
 
 def launch(launcher: list[str], script: str, output_dir: Path, *args: str, timeout: float = 300) -> list[dict]:
-    """Run `<script> OUTPUT_DIR *ARGS` (from examples/, else tests/) under a launcher command (torchrun,
+    """Run `<script> OUTPUT_DIR *ARGS` (from examples/, else tests/workers/) under a launcher command (torchrun,
     `accelerate launch ...`)."""
     path = next(folder / script for folder in SCRIPT_FOLDERS if (folder / script).is_file())
     command = [*launcher, str(path), str(output_dir), *args]

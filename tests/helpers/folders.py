@@ -1,0 +1,25 @@
+"""A tiny saved folder: model and tokenizer, as the generation and Hub tests load it."""
+
+from pathlib import Path
+
+import torch
+from helpers import tiny_config
+
+from diff_transformer import DiffForCausalLM
+from diff_transformer.tools.data import KeyValueTask
+from diff_transformer.tokenization_diff import train_bpe_tokenizer
+
+
+def save_tiny_folder(path: Path) -> Path:
+    """A tiny DiffForCausalLM and a byte-level BPE tokenizer, saved together (also used by the Hub tests)."""
+    tokenizer = train_bpe_tokenizer(texts=KeyValueTask().texts(200), vocab_size=300)
+    config = tiny_config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None, initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
