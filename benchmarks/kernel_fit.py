@@ -12,17 +12,20 @@ target has, or spills.
     python benchmarks/kernel_fit.py --json fit.json          # rows as JSON too (the test suite reads them)
 
 The shipped tiles are generated, not typed: `--record` merges the compiled rows into benchmarks/kernel_fit.json
-(registers, spills, shared memory and matmul of every candidate tile in every mode), and `--write` picks each tile
-from that record by `RULE` (`choose`) and writes diff_transformer/kernel_tiles.py and the table of docs/kernels.md;
-`--write` alone compiles nothing and needs no GPU (tests/test_kernel_fit.py fails when the committed files and a
-fresh `--write` disagree). `--sweep` compiles a grid of candidate tiles instead of the shipped ones:
+(registers, spills, shared memory and matmul of every candidate tile in every mode, failed candidates included),
+and `--write` picks each tile from every candidate recorded by `RULE` (`pick`, one lookup; `choose`, all) and writes
+diff_transformer/kernel_tiles.py and the table of docs/kernels.md; `--write` alone compiles nothing and needs no
+GPU (tests/test_kernel_fit.py fails when the committed files and a fresh pick disagree). The record states which
+candidates it holds (`candidates_text`). `--challengers` compiles the tiles one step ahead of each shipped tile
+(`challengers`), `--sweep` a grid of candidate tiles:
 
-    python benchmarks/kernel_fit.py --sweep --record --write       # every candidate: ~49k compiles, hours on 2 cores
-    python benchmarks/kernel_fit.py --sweep --targets 90 --head-dims 128 --dtypes fp16 --record --write
     python benchmarks/kernel_fit.py --record                       # refresh the record of the shipped tiles
+    nice -n 10 python benchmarks/kernel_fit.py --challengers --targets 90 --head-dims 128 --dtypes fp16 --jobs 1 \\
+        --record --write                                           # their challengers, then a fresh pick
+    python benchmarks/kernel_fit.py --sweep --record --write       # every candidate: ~49k compiles, hours on 2 cores
     python benchmarks/kernel_fit.py --write                        # regenerate the tile table from the record
 
-Exit status 1 when a row fails (a candidate of --sweep may fail: that is what the rule filters out).
+Exit status 1 when a row fails (a candidate of --sweep or --challengers may fail: the rule filters it out).
 TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
 """
 
@@ -36,10 +39,11 @@ import re
 import shlex
 import sys
 import tempfile
+import textwrap
 import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import product
 from pathlib import Path
 
@@ -183,6 +187,69 @@ def sweep_variants(targets, head_dims, dtypes, value_dims) -> list[Variant]:
     return [variant for tile in tiles for variant in variants(targets, head_dims, dtypes, value_dims, tile)]
 
 
+def challengers(tile: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """The SWEEP tiles one step ahead of `tile` in RULE's order of size, depth and warps: twice BLOCK_M, twice
+    BLOCK_N, one more pipeline stage, 8 warps for 4. Where none of them qualifies, `tile` is the best of its
+    neighbourhood by RULE."""
+    block_m, block_n, warps, stages = tile
+    steps = [(2 * block_m, block_n, warps, stages), (block_m, 2 * block_n, warps, stages),
+             (block_m, block_n, warps, stages + 1), (block_m, block_n, 2 * warps, stages)]
+    return [step for step in steps if all(value in SWEEP[name] for name, value in zip(SWEEP, step))]
+
+
+def challenger_variants(targets, head_dims, dtypes, value_dims) -> list[Variant]:
+    """The challengers of every shipped tile `variants` lists: those of the unmasked tile in every mode of its
+    kernel (the unmasked modes first), those of the masked tile (where it differs) under the padding mask, which is
+    all RULE reads of them."""
+    todo = []
+    for variant in variants(targets, head_dims, dtypes, value_dims):
+        plain, masked = shipped_tiles(variant)
+        if plain is None:
+            continue
+        tiles = challengers(plain) + (challengers(masked) if variant.mode == "padmask" and masked != plain else [])
+        todo += [replace(variant, tile=tile) for tile in dict.fromkeys(tiles) if tile not in (plain, masked)]
+    return sorted(todo, key=lambda variant: variant.mode == "padmask")
+
+
+def shipped_tiles(variant: Variant) -> tuple[tuple | None, tuple | None]:
+    """(tile, tile under a padding mask) that tile_config ships for `variant`'s kernel, target, dims and dtype."""
+    dtype = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[variant.dtype]
+    return tuple(kernels.tile_config(variant.kernel, variant.head_dim, variant.value_dim, dtype, variant.target,
+                                     masked=is_masked) for is_masked in (False, True))
+
+
+def run_challengers(todo: list[Variant], record: bool) -> list[dict]:
+    """Compile challengers one at a time (merged into the record as each comes, when `record`), skipping the rest
+    of a challenger's modes once it fails an unmasked one on a target of the family: it cannot be the unmasked
+    pick, and where the shipped tile also runs under the mask it cannot be the masked one either. With `record`, a
+    variant the record already holds is read from it, not compiled again (an interrupted run resumes)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kernel_fit: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    family_of = {target: family for family, targets in FAMILIES.items() for target in targets}
+    recorded = read_record()
+    import triton
+
+    fresh = recorded["triton"] == triton.__version__ and recorded["kernel_sha256"] == kernel_sha256()
+    known = {row_key(row): row for row in recorded["rows"]} if record and fresh else {}
+    rows, lost = [], set()
+    with tempfile.TemporaryDirectory(prefix="kernel_fit_") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        for variant in todo:
+            plain, masked = shipped_tiles(variant)
+            group = (variant.kernel, family_of[variant.target], variant.head_dim, variant.value_dim, variant.dtype,
+                     variant.tile)
+            if group in lost and plain == masked:
+                continue
+            key = row_key(dict(asdict(variant), tile="{}x{}".format(*variant.tile[:2]), warps=variant.tile[2],
+                                   stages=variant.tile[3]))
+            rows.append(known.get(key) or compile_variant(variant))
+            if record and key not in known:
+                write_record(rows[-1:])
+            if variant.mode != "padmask" and not qualifies(rows[-1]):
+                lost.add(group)
+    return rows
+
+
 def row_key(row: dict) -> tuple:
     return tuple(row[name] for name in ("kernel", "target", "head_dim", "value_dim", "dtype", "mode", "tile", "warps",
                                         "stages"))
@@ -197,15 +264,17 @@ def read_record(path: Path = RECORD) -> dict:
     """{"triton": version, "kernel_sha256": of the source compiled, "rows": compile rows as dicts} of `--record`
     (no rows before the first)."""
     if not path.exists():
-        return {"triton": None, "kernel_sha256": None, "rows": []}
+        return {"triton": None, "kernel_sha256": None, "candidates": None, "rows": []}
     record = json.loads(path.read_text())
     return {"triton": record["triton"], "kernel_sha256": record.get("kernel_sha256"),
+            "candidates": record.get("candidates"),
             "rows": [dict(zip(record["columns"], row)) for row in record["rows"]]}
 
 
 def write_record(rows: list[dict], path: Path = RECORD) -> None:
-    """Merge `rows` into the record, one row per line (a row of the same variant and tile replaces the old one);
-    rows compiled by another Triton release or from another kernel source replace the record."""
+    """Merge `rows` into the record, one row per line (a row of the same variant and tile replaces the old one),
+    failed candidates included; rows compiled by another Triton release or from another kernel source replace the
+    record. The record states which candidates it holds (`candidates_text`)."""
     import triton
 
     record = read_record(path)
@@ -213,8 +282,10 @@ def write_record(rows: list[dict], path: Path = RECORD) -> None:
     kept = record["rows"] if same else []
     merged = {row_key(row): row for row in [*kept, *(row for row in rows if row["tile"] is not None)]}
     columns = list(next(iter(merged.values())))
+    candidates = candidates_text(list(merged.values()), choose(list(merged.values())))
     lines = ",\n".join(json.dumps([row[name] for name in columns]) for _, row in sorted(merged.items()))
     path.write_text(f'{{"triton": {json.dumps(triton.__version__)}, "kernel_sha256": "{kernel_sha256()}", '
+                    f'"candidates": {json.dumps(candidates)},\n'
                     f'"columns": {json.dumps(columns)}, "rows": [\n{lines}\n]}}\n')
 
 
@@ -223,15 +294,22 @@ def _candidate(row: dict) -> tuple[int, int, int, int]:
     return block_m, block_n, row["warps"], row["stages"]
 
 
+def qualifies(row: dict | None) -> bool:
+    """RULE's step 1 for one compile row: compiled, within the target's shared memory, no spill. Read from the
+    figures themselves, not from the row's error text alone."""
+    return (row is not None and not row["error"] and row["spill_bytes"] == 0
+            and row["shared"] <= row["shared_limit"])
+
+
 def _qualifying(candidates: dict, targets: tuple, modes: list[str]) -> dict:
-    """{tile: its rows} of the candidates compiled without an error on every target in every mode."""
+    """{tile: its rows} of the candidates that qualify on every target in every mode."""
     rows = {tile: [by_variant.get((target, mode)) for target in targets for mode in modes]
             for tile, by_variant in candidates.items()}
-    return {tile: found for tile, found in rows.items() if all(row and not row["error"] for row in found)}
+    return {tile: found for tile, found in rows.items() if all(map(qualifies, found))}
 
 
 def _order(tile: tuple, rows: list[dict], family: int) -> tuple:
-    """RULE's order, the best first under sorted()."""
+    """RULE's step 2 order, the best first under sorted()."""
     block_m, block_n, warps, stages = tile
     wgmma = family == 90 and all(row["mma"] == "wgmma" for row in rows)
     within = max(row["registers"] for row in rows) <= REGISTER_GOAL
@@ -242,25 +320,67 @@ def _best(qualifying: dict, family: int) -> tuple | None:
     return min(qualifying, key=lambda tile: _order(tile, qualifying[tile], family), default=None)
 
 
-def choose(rows: list[dict]) -> dict[tuple, tuple[tuple, tuple]]:
-    """{(target, dtype, d, dv, kernel): (tile, tile under a padding mask)} picked from compile rows by RULE; a
-    combination without a qualifying tile is left out."""
+def pick(candidates: dict[tuple, dict[tuple, dict]], family: int, kernel: str) -> tuple[tuple, tuple] | None:
+    """RULE for one lookup: (tile, tile under a padding mask) from `candidates` = {tile: {(target, mode): compile
+    row}} of one family, dtype, d, dv and kernel, or None where no candidate qualifies in both. Pure: it reads
+    the rows only."""
+    plain = [mode for mode in MODES[kernel] if mode != "padmask"]
+    unmasked = _best(_qualifying(candidates, FAMILIES[family], plain), family)
+    masked_fits = _qualifying(candidates, FAMILIES[family], ["padmask"])
+    masked = unmasked if unmasked in masked_fits else _best(masked_fits, family)
+    return (unmasked, masked) if unmasked and masked else None
+
+
+def challenged(rows: list[dict], table: dict[tuple, tuple[tuple, tuple]]) -> list[tuple]:
+    """The lookups of `table` whose pick met its challengers: each of them compiled in every mode of the kernel on
+    every target of the family, or until it failed an unmasked mode (`run_challengers`); a pick without
+    challengers (the grid's corner) counts where it met other candidates."""
+    lookups = candidates_by_lookup(rows)
+
+    def beaten(key: tuple, rows_of: dict) -> bool:  # every mode recorded, or lost an unmasked one (see run_challengers)
+        complete = all((target, mode) in rows_of for target in FAMILIES[key[0]] for mode in MODES[key[4]])
+        lost = any(mode != "padmask" and not qualifies(row) for (_, mode), row in rows_of.items())
+        return complete or (lost and table[key][0] == table[key][1])
+
+    def met(key: tuple) -> bool:
+        found = lookups.get(key, {})
+        return len(found) > 1 and all(beaten(key, found.get(tile, {})) for tile in challengers(table[key][0]))
+    return [key for key in table if met(key)]
+
+
+def candidates_text(rows: list[dict], table: dict[tuple, tuple[tuple, tuple]]) -> str:
+    """Which candidates the record holds, as the record, the generated module and the docs state it."""
+    groups = defaultdict(list)  # (family, dtype, d) -> value dims whose three kernels met their challengers
+    met = set(challenged(rows, table))
+    for family, dtype, d, dv in sorted({key[:4] for key in table}):
+        if all((family, dtype, d, dv, kernel) in met for kernel in KERNELS):
+            groups[(family, dtype, d)].append(dv)
+    where = "; ".join(f"{'/'.join(f'sm_{t}' for t in FAMILIES[f])} {dtype} d = {d}, dv = "
+                      f"{' and '.join(map(str, dvs))}" for (f, dtype, d), dvs in groups.items()) or "none"
+    text = (f"The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and "
+            f"for {len(met)} of the {len(table)} lookups also the challengers of the pick, the tiles one step ahead "
+            f"in step 2's order (twice BLOCK_M, twice BLOCK_N, one more stage, 8 warps for 4): {where}. A pick that "
+            f"beats its challengers is the best of its neighbourhood, not of every tile: the full grid (96 tiles per "
+            f"lookup, about 49,000 compiles) is not recorded.")
+    return textwrap.fill(text, width=116)
+
+
+def candidates_by_lookup(rows: list[dict]) -> dict[tuple, dict[tuple, dict]]:
+    """{(family, dtype, d, dv, kernel): {tile: {(target, mode): row}}} of compile rows, in table order."""
     family_of = {target: family for family, targets in FAMILIES.items() for target in targets}
-    groups = defaultdict(lambda: defaultdict(dict))  # key -> tile -> {(target, mode): row}
+    groups = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         if row["tile"] is not None and row["target"] in family_of:
             key = (family_of[row["target"]], row["dtype"], row["head_dim"], row["value_dim"], row["kernel"])
             groups[key][_candidate(row)][(row["target"], row["mode"])] = row
-    table = {}
-    for key, candidates in sorted(groups.items(), key=lambda item: (item[0][:4], KERNELS.index(item[0][4]))):
-        family, kernel = key[0], key[4]
-        plain = [mode for mode in MODES[kernel] if mode != "padmask"]
-        unmasked = _best(_qualifying(candidates, FAMILIES[family], plain), family)
-        masked_fits = _qualifying(candidates, FAMILIES[family], ["padmask"])
-        masked = unmasked if unmasked in masked_fits else _best(masked_fits, family)
-        if unmasked and masked:
-            table[key] = (unmasked, masked)
-    return table
+    return dict(sorted(groups.items(), key=lambda item: (item[0][:4], KERNELS.index(item[0][4]))))
+
+
+def choose(rows: list[dict]) -> dict[tuple, tuple[tuple, tuple]]:
+    """{(target, dtype, d, dv, kernel): (tile, tile under a padding mask)} picked from compile rows by RULE
+    (`pick`); a combination without a qualifying tile is left out."""
+    picks = {key: pick(candidates, key[0], key[4]) for key, candidates in candidates_by_lookup(rows).items()}
+    return {key: tiles for key, tiles in picks.items() if tiles}
 
 
 MODULE = '''"""Tiles of the fused Triton kernel (kernel_diff_flash.py) per GPU target, head dims and dtype.
@@ -272,6 +392,8 @@ num_stages); kernel is "fwd", "dq" or "dkdv"; "fp16" stands for bf16 too. TARGET
 the target whose tiles it runs. Combinations absent have no tile: the model runs standard attention for them.
 
 {rule}
+
+{candidates}
 """
 
 Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -282,12 +404,12 @@ TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {{
 '''
 
 
-def render_module(table: dict[tuple, tuple[tuple, tuple]]) -> str:
+def render_module(table: dict[tuple, tuple[tuple, tuple]], candidates: str) -> str:
     """The text of diff_transformer/kernel_tiles.py (shipped in saved folders: it names no project path)."""
     entries = "\n".join(f'    ({target}, "{dtype}", {d}, {dv}, "{kernel}"): {tiles!r},'
                         for (target, dtype, d, dv, kernel), tiles in table.items())
     targets = {target: family for family, members in FAMILIES.items() for target in members}
-    return MODULE.format(rule=RULE, targets=targets, entries=entries)
+    return MODULE.format(rule=RULE, candidates=candidates, targets=targets, entries=entries)
 
 
 def _cell(tiles: tuple[tuple, tuple]) -> str:
@@ -295,7 +417,7 @@ def _cell(tiles: tuple[tuple, tuple]) -> str:
     return unmasked if unmasked == masked else f"{unmasked} (masked: {masked})"
 
 
-def render_docs(table: dict, rows: list[dict], triton_version: str | None) -> str:
+def render_docs(table: dict, rows: list[dict], triton_version: str | None, candidates: str) -> str:
     """The generated block of docs/kernels.md: d >= 64 (d < 64 in kernel_tiles.py), worst case over the masking
     modes and targets of each row."""
     compiled = defaultdict(list)
@@ -303,8 +425,9 @@ def render_docs(table: dict, rows: list[dict], triton_version: str | None) -> st
         if row["tile"] is not None:
             compiled[(row["target"], row["dtype"], row["head_dim"], row["value_dim"], row["kernel"],
                       _candidate(row))].append(row)
-    lines = [DOCS_BEGIN, "", RULE, "", f"Compiled with Triton {triton_version}; registers and shared memory are the "
-             "largest over", "the masking modes and targets of each row.", "",
+    lines = [DOCS_BEGIN, "", RULE, "", candidates, "",
+             f"Compiled with Triton {triton_version}; registers and shared memory are the largest over",
+             "the masking modes and targets of each row.", "",
              "| GPU | d / dv | dtype | fwd | dq | dk/dv | registers | shared KiB | matmul |",
              "|---|---|---|---|---|---|---:|---:|---|"]
     for family, dtype, d, dv in sorted({key[:4] for key in table}):
@@ -332,8 +455,10 @@ def write_tables(record: dict) -> None:
     table = choose(record["rows"])
     if not table:
         raise SystemExit(f"kernel_fit: {RECORD} holds no compiled tile; run with --record first")
-    TILES_MODULE.write_text(render_module(table))
-    DOCS.write_text(docs_with_table(DOCS.read_text(), render_docs(table, record["rows"], record["triton"])))
+    candidates = candidates_text(record["rows"], table)
+    TILES_MODULE.write_text(render_module(table, candidates))
+    DOCS.write_text(docs_with_table(DOCS.read_text(), render_docs(table, record["rows"], record["triton"],
+                                                                  candidates)))
     print(f"wrote {len(table)} tiles to {TILES_MODULE} and the table of {DOCS}")
 
 
@@ -360,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
                         help="compile this tile instead of the shipped ones")
     parser.add_argument("--sweep", action="store_true", help="compile every candidate tile of SWEEP instead")
+    parser.add_argument("--challengers", action="store_true",
+                        help="compile the challengers of the shipped tiles instead (see `challengers`)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--record", action="store_true", help=f"merge the rows into {RECORD.relative_to(ROOT)}")
@@ -367,18 +494,21 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"pick the tiles from the record by the rule, write {TILES_MODULE.relative_to(ROOT)} "
                              f"and the table of {DOCS.relative_to(ROOT)}; alone it compiles nothing")
     args = parser.parse_args(argv)
-    if args.sweep and args.tile:
-        parser.error("--sweep compiles its own candidates: leave out --tile")
-    if args.write and not (args.record or args.sweep):
+    if sum(map(bool, (args.sweep, args.challengers, args.tile))) > 1:
+        parser.error("--sweep, --challengers and --tile each choose the tiles to compile: give one")
+    if args.write and not (args.record or args.sweep or args.challengers):
         write_tables(read_record())
         return 0
     start = time.perf_counter()
     value_dims = [{"d": 1, "2d": 2}[v] for v in args.value_dims]
-    if args.sweep:
-        todo = sweep_variants(args.targets, args.head_dims, args.dtypes, value_dims)
+    if args.challengers:
+        rows = run_challengers(challenger_variants(args.targets, args.head_dims, args.dtypes, value_dims),
+                               args.record)
+    elif args.sweep:
+        rows = run(sweep_variants(args.targets, args.head_dims, args.dtypes, value_dims), args.jobs)
     else:
-        todo = variants(args.targets, args.head_dims, args.dtypes, value_dims, tuple(args.tile) if args.tile else None)
-    rows = run(todo, args.jobs)
+        rows = run(variants(args.targets, args.head_dims, args.dtypes, value_dims,
+                            tuple(args.tile) if args.tile else None), args.jobs)
     print("command:", shlex.join(["python", *sys.argv]))
     print(table(rows))
     failed = [r for r in rows if r["error"]]
@@ -387,11 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=1)
-    if args.record:
+    if args.record and not args.challengers:  # run_challengers records each row as it comes
         write_record(rows)
     if args.write:
         write_tables(read_record())
-    return 1 if failed and not args.sweep else 0
+    return 1 if failed and not (args.sweep or args.challengers) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,10 +2,11 @@
 
 Every tile the kernel ships was compiled ahead of time for sm_80, sm_86, sm_89 and sm_90 (benchmarks/kernel_fit.py
 --record, in a process without TRITON_INTERPRET: minutes) into benchmarks/kernel_fit.json, and the tile table is
-generated from that record, which holds only tiles that fit the target's shared memory without spilling a register.
-Here: the record is of the kernels' current source, the generated files are a fresh generation, the largest tiles
-compile to the recorded figures, and a combination without a tile is routed to the standard calls with one warning,
-its output equal to eager's.
+generated from that record by the rule in its header (`kernel_fit.pick`), which picks among every candidate tile
+recorded, failed ones included. Here: the record is of the kernels' current source, a fresh pick from it is the
+shipped table, a better candidate that spills or overflows shared memory is never picked, the largest tiles compile
+to the recorded figures, and a combination without a tile is routed to the standard calls with one warning, its
+output equal to eager's.
 """
 
 import difflib
@@ -22,6 +23,7 @@ from helpers import assert_close, build_stack
 from helpers.without_package import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
+from diff_transformer.kernel_tiles import TILES
 from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"
@@ -139,12 +141,13 @@ def test_committed_tile_table_is_a_fresh_generation():
     results (benchmarks/kernel_fit.json): nobody edited them by hand, and the record holds every shipped tile."""
     record = kernel_fit.read_record()
     table = kernel_fit.choose(record["rows"])
-    generated = kernel_fit.render_module(table)
+    candidates = kernel_fit.candidates_text(record["rows"], table)
+    generated = kernel_fit.render_module(table, candidates)
     committed = kernel_fit.TILES_MODULE.read_text()
     assert committed == generated, ("kernel_tiles.py is not the generated table (python benchmarks/kernel_fit.py "
                                      "--write):\n" + _changes(committed, generated))
     docs = kernel_fit.DOCS.read_text()
-    block = kernel_fit.render_docs(table, record["rows"], record["triton"])
+    block = kernel_fit.render_docs(table, record["rows"], record["triton"], candidates)
     assert kernel_fit.docs_with_table(docs, block) == docs, ("docs/kernels.md's tile table is not the generated one "
                                                             "(python benchmarks/kernel_fit.py --write):\n"
                                                             + _changes(docs, kernel_fit.docs_with_table(docs, block)))
@@ -194,6 +197,76 @@ def test_the_rule_needs_a_tile_to_fit_every_target_of_its_family():
             *_rows(only_86, 86, "dkdv", modes, "mma.sync"),
             *_rows(only_86, 89, "dkdv", modes, "mma.sync", mha=dict(error="needs 110000 B of shared memory"))]
     assert kernel_fit.choose(rows) == {(86, "fp16", 64, 64, "dkdv"): (fits_both, fits_both)}
+
+
+def test_a_fresh_pick_from_the_record_is_the_shipped_table():
+    """The check of the tile table: RULE over every candidate the record holds, failed ones included, picks
+    kernel_tiles.TILES; the record states which candidates it holds, and some picks met their challengers (every
+    tile one step ahead of them, compiled in every mode on every target), so the rule chose among several."""
+    record = kernel_fit.read_record()
+    picked = kernel_fit.choose(record["rows"])
+    changed = {key: (picked.get(key), tiles) for key, tiles in TILES.items() if picked.get(key) != tiles}
+    assert picked == TILES, f"fresh pick (left) != shipped (python benchmarks/kernel_fit.py --write): {changed}"
+    assert record["candidates"] == kernel_fit.candidates_text(record["rows"], TILES)
+    met = kernel_fit.challenged(record["rows"], TILES)
+    assert len(met) >= 12, "the record holds the shipped tiles only: python benchmarks/kernel_fit.py --challengers"
+    lookups = kernel_fit.candidates_by_lookup(record["rows"])
+    assert all(len(lookups[key]) > 1 for key in met)
+
+
+def _planted(key: tuple, tile: tuple, **figures) -> list[dict]:
+    """Compile rows of `tile` for lookup `key` in every mode on every target of its family: better than any
+    shipped tile by RULE's order (wgmma, 64 registers) unless `figures` say otherwise."""
+    family, dtype, d, dv, kernel = key
+    return [dict(kernel=kernel, target=target, head_dim=d, value_dim=dv, dtype=dtype, mode=mode,
+                 tile="{}x{}".format(*tile[:2]), warps=tile[2], stages=tile[3], registers=64, spill_bytes=0,
+                 shared=1024, shared_limit=kernels.SHARED_MEMORY[target], mma="wgmma", error=None) | figures
+            for target in kernel_fit.FAMILIES[family] for mode in kernel_fit.MODES[kernel]]
+
+
+@pytest.mark.parametrize("key", [(90, "fp16", 128, 256, "dkdv"), (86, "fp16", 64, 128, "fwd")])
+def test_a_better_candidate_that_spills_or_overflows_is_not_picked(key):
+    """Planted in the real record: a tile ahead of the shipped one in every way but fit is not picked when it spills
+    or needs more shared memory than the target has, even with its error text lost; recorded as fitting, it is."""
+    rows = kernel_fit.read_record()["rows"]
+    better = (128, 128, 8, 3)
+    assert better not in TILES[key]
+    limit = kernels.SHARED_MEMORY[90 if key[0] == 90 else 86]
+    for fault in (dict(spill_bytes=8), dict(shared=limit + 1024), dict(error="spills 8 B per thread")):
+        assert kernel_fit.choose(rows + _planted(key, better, **fault))[key] == TILES[key], fault
+    assert kernel_fit.choose(rows + _planted(key, better))[key] == (better, better)
+
+
+def test_a_recorded_failure_is_what_keeps_a_challenger_out():
+    """Changed in the record, a challenger that spilled (sm_90 forward at d = 128, dv = 256: 64x64 8w 3s, recorded
+    in causal mode only: its other modes were skipped after that failure) becomes the pick once it fits in every
+    mode; the recorded spill is what keeps the shipped 64x32 8w 3s."""
+    key, challenger = (90, "fp16", 128, 256, "fwd"), (64, 64, 8, 3)
+    rows = kernel_fit.read_record()["rows"]
+    causal = kernel_fit.candidates_by_lookup(rows)[key][challenger][(90, "causal")]
+    assert not kernel_fit.qualifies(causal)
+    assert kernel_fit.choose(rows)[key] == TILES[key] != (challenger, challenger)
+    fitting = [causal | dict(mode=mode, spill_bytes=0, error=None, shared=causal["shared_limit"])
+               for mode in kernel_fit.MODES["fwd"]]
+    assert kernel_fit.choose(rows + fitting)[key] == (challenger, challenger)
+    assert kernel_fit.choose(rows + fitting[:-1])[key] == TILES[key]  # a mode short: not a candidate
+
+
+def test_a_row_qualifies_by_its_figures():
+    row = _rows((64, 64, 8, 2))[0]
+    assert kernel_fit.qualifies(row)
+    assert not kernel_fit.qualifies(row | dict(spill_bytes=4))
+    assert not kernel_fit.qualifies(row | dict(shared=row["shared_limit"] + 1))
+    assert not kernel_fit.qualifies(row | dict(error="CompilationError: ..."))
+    assert not kernel_fit.qualifies(None)  # not compiled in that mode
+
+
+def test_challengers_are_the_tiles_one_step_ahead():
+    assert kernel_fit.challengers((64, 32, 4, 2)) == [(128, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 8, 2)]
+    assert kernel_fit.challengers((128, 128, 8, 3)) == []  # the grid's corner
+    rows = [dict(registers=200, mma="mma.sync")]  # equal in all but the tile: only size, depth and warps differ
+    for tile in kernel_fit.challengers((32, 16, 4, 1)):
+        assert kernel_fit._order(tile, rows, 80) < kernel_fit._order((32, 16, 4, 1), rows, 80), tile
 
 
 def test_a_saved_folder_ships_the_tile_table(tmp_path):
