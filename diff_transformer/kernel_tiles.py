@@ -13,15 +13,17 @@ The rule that chose each tile, among the candidate tiles compiled for every targ
    largest BLOCK_M x BLOCK_N, the deepest pipeline, then the larger BLOCK_M and the more warps;
 3. under a padding mask, the same tile where it qualifies in the masked mode too, else the first qualifying one
    by the same order.
+A candidate compiled under the floor's Triton too (3.6.0, the release torch's floor pins) qualifies only
+where it qualifies there as well.
 
 Fit-checked ahead of time (shared memory, registers, spills, matmul instruction), not timed on a GPU.
 
-The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and for 28 of the
+The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and for 30 of the
 144 lookups also the challengers of the pick, the tiles one step ahead in step 2's order (twice BLOCK_M, twice
-BLOCK_N, one more stage, 8 warps for 4): sm_80 fp16 d = 64, dv = 128; sm_86/sm_89 fp16 d = 128, dv = 128 and 256;
-sm_90 fp16 d = 64, dv = 64 and 128; sm_90 fp16 d = 128, dv = 128 and 256. A pick that beats its challengers is the
-best of its neighbourhood, not of every tile: the full grid (96 tiles per lookup, about 49,000 compiles) is not
-recorded.
+BLOCK_N, one more stage, 8 warps for 4): sm_80 fp16 d = 64, dv = 64 and 128; sm_80 fp16 d = 128, dv = 128;
+sm_86/sm_89 fp16 d = 128, dv = 128 and 256; sm_90 fp16 d = 64, dv = 64 and 128; sm_90 fp16 d = 128, dv = 128 and
+256. A pick that beats its challengers is the best of its neighbourhood, not of every tile: the full grid (96 tiles
+per lookup, about 49,000 compiles) is not recorded.
 """
 
 Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -41,13 +43,13 @@ TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {
     (80, "fp16", 32, 64, "dkdv"): ((32, 32, 4, 1), (16, 64, 4, 3)),
     (80, "fp16", 64, 64, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
     (80, "fp16", 64, 64, "dq"): ((128, 32, 8, 2), (128, 32, 8, 1)),
-    (80, "fp16", 64, 64, "dkdv"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (80, "fp16", 64, 64, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 3)),
     (80, "fp16", 64, 128, "fwd"): ((128, 32, 8, 3), (64, 128, 8, 3)),
     (80, "fp16", 64, 128, "dq"): ((64, 32, 8, 3), (32, 32, 4, 3)),
     (80, "fp16", 64, 128, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 1)),
     (80, "fp16", 128, 128, "fwd"): ((32, 64, 8, 3), (32, 64, 8, 3)),
-    (80, "fp16", 128, 128, "dq"): ((64, 64, 8, 3), (64, 64, 8, 2)),
-    (80, "fp16", 128, 128, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 1)),
+    (80, "fp16", 128, 128, "dq"): ((64, 64, 8, 3), (64, 64, 8, 1)),
+    (80, "fp16", 128, 128, "dkdv"): ((64, 32, 8, 2), (64, 32, 8, 1)),
     (80, "fp16", 128, 256, "fwd"): ((32, 128, 8, 1), (32, 128, 8, 1)),
     (80, "fp16", 128, 256, "dq"): ((64, 32, 8, 1), (64, 32, 8, 1)),
     (80, "fp16", 128, 256, "dkdv"): ((32, 32, 8, 2), (32, 32, 8, 2)),
@@ -92,7 +94,7 @@ TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {
     (86, "fp16", 64, 64, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 3)),
     (86, "fp16", 64, 128, "fwd"): ((128, 32, 8, 3), (64, 64, 8, 3)),
     (86, "fp16", 64, 128, "dq"): ((128, 32, 8, 2), (32, 32, 4, 3)),
-    (86, "fp16", 64, 128, "dkdv"): ((128, 32, 8, 2), (64, 32, 8, 1)),
+    (86, "fp16", 64, 128, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 1)),
     (86, "fp16", 128, 128, "fwd"): ((32, 64, 8, 2), (32, 64, 8, 2)),
     (86, "fp16", 128, 128, "dq"): ((64, 64, 8, 1), (64, 64, 8, 1)),
     (86, "fp16", 128, 128, "dkdv"): ((32, 64, 8, 1), (32, 64, 8, 1)),

@@ -140,8 +140,8 @@ def test_committed_tile_table_is_a_fresh_generation():
     """kernel_tiles.py and the table of docs/kernels.md are what `kernel_fit.py --write` makes of the recorded compile
     results (benchmarks/kernel_fit.json): nobody edited them by hand, and the record holds every shipped tile."""
     record = kernel_fit.read_record()
-    table = kernel_fit.choose(record["rows"])
-    candidates = kernel_fit.candidates_text(record["rows"], table)
+    table = kernel_fit.choose(kernel_fit.rows_to_pick(record))
+    candidates = kernel_fit.candidates_text(kernel_fit.rows_to_pick(record), table)
     generated = kernel_fit.render_module(table, candidates)
     committed = kernel_fit.TILES_MODULE.read_text()
     assert committed == generated, ("kernel_tiles.py is not the generated table (python benchmarks/kernel_fit.py "
@@ -204,13 +204,14 @@ def test_a_fresh_pick_from_the_record_is_the_shipped_table():
     kernel_tiles.TILES; the record states which candidates it holds, and some picks met their challengers (every
     tile one step ahead of them, compiled in every mode on every target), so the rule chose among several."""
     record = kernel_fit.read_record()
-    picked = kernel_fit.choose(record["rows"])
+    rows = kernel_fit.rows_to_pick(record)
+    picked = kernel_fit.choose(rows)
     changed = {key: (picked.get(key), tiles) for key, tiles in TILES.items() if picked.get(key) != tiles}
     assert picked == TILES, f"fresh pick (left) != shipped (python benchmarks/kernel_fit.py --write): {changed}"
-    assert record["candidates"] == kernel_fit.candidates_text(record["rows"], TILES)
-    met = kernel_fit.challenged(record["rows"], TILES)
+    assert record["candidates"] == kernel_fit.candidates_text(rows, TILES)
+    met = kernel_fit.challenged(rows, TILES)
     assert len(met) >= 12, "the record holds the shipped tiles only: python benchmarks/kernel_fit.py --challengers"
-    lookups = kernel_fit.candidates_by_lookup(record["rows"])
+    lookups = kernel_fit.candidates_by_lookup(rows)
     assert all(len(lookups[key]) > 1 for key in met)
 
 
@@ -228,7 +229,7 @@ def _planted(key: tuple, tile: tuple, **figures) -> list[dict]:
 def test_a_better_candidate_that_spills_or_overflows_is_not_picked(key):
     """Planted in the real record: a tile ahead of the shipped one in every way but fit is not picked when it spills
     or needs more shared memory than the target has, even with its error text lost; recorded as fitting, it is."""
-    rows = kernel_fit.read_record()["rows"]
+    rows = kernel_fit.rows_to_pick(kernel_fit.read_record())
     better = (128, 128, 8, 3)
     assert better not in TILES[key]
     limit = kernels.SHARED_MEMORY[90 if key[0] == 90 else 86]
@@ -237,12 +238,41 @@ def test_a_better_candidate_that_spills_or_overflows_is_not_picked(key):
     assert kernel_fit.choose(rows + _planted(key, better))[key] == (better, better)
 
 
+@pytest.mark.parametrize("key", [(90, "fp16", 128, 256, "dkdv"), (86, "fp16", 64, 128, "fwd")])
+def test_a_candidate_that_fails_under_the_floor_triton_is_not_picked(key):
+    """A tile that fits under the record's Triton but spills under the floor's (recorded in `floor_rows`) is not
+    picked: the GPU machines of the supported floor run that release. Fitting there too, it is."""
+    record = kernel_fit.read_record()
+    better = (128, 128, 8, 3)
+    planted = _planted(key, better)
+    spills = [row | dict(spill_bytes=8, error="spills 8 B per thread") for row in planted]
+    fits = [row | dict(registers=200) for row in planted]
+    assert kernel_fit.choose(kernel_fit.with_floor(record["rows"] + planted, record["floor_rows"] + spills))[key] \
+        == TILES[key]
+    assert kernel_fit.choose(kernel_fit.with_floor(record["rows"] + planted, record["floor_rows"] + fits))[key] \
+        == (better, better)
+
+
+def test_the_shipped_tiles_that_the_floor_triton_compiled_fit_there():
+    """Every shipped tile the record holds a floor-release compile of fits there (python benchmarks/kernel_fit.py
+    --record under Triton FLOOR_TRITON adds them)."""
+    record = kernel_fit.read_record()
+    def picked(row: dict) -> bool:  # the shipped tile of the row's lookup, in the row's masking mode
+        tiles = TILES.get(kernel_fit.lookup_key(row))
+        return tiles is not None and kernel_fit._candidate(row) == tiles[row["mode"] == "padmask"]
+
+    floor = [row for row in record["floor_rows"] if picked(row)]
+    assert floor, "no floor-release compile of a shipped tile recorded"
+    failed = [row for row in floor if not kernel_fit.qualifies(row)]
+    assert not failed, "shipped tiles that do not fit under the floor's Triton:\n" + kernel_fit.table(failed)
+
+
 def test_a_recorded_failure_is_what_keeps_a_challenger_out():
     """Changed in the record, a challenger that spilled (sm_90 forward at d = 128, dv = 256: 64x64 8w 3s, recorded
     in causal mode only: its other modes were skipped after that failure) becomes the pick once it fits in every
     mode; the recorded spill is what keeps the shipped 64x32 8w 3s."""
     key, challenger = (90, "fp16", 128, 256, "fwd"), (64, 64, 8, 3)
-    rows = kernel_fit.read_record()["rows"]
+    rows = kernel_fit.rows_to_pick(kernel_fit.read_record())
     causal = kernel_fit.candidates_by_lookup(rows)[key][challenger][(90, "causal")]
     assert not kernel_fit.qualifies(causal)
     assert kernel_fit.choose(rows)[key] == TILES[key] != (challenger, challenger)

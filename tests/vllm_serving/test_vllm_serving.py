@@ -378,10 +378,11 @@ def stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def trained_folder(tmp_path_factory) -> Path:
-    """A folder saved by `diff-transformer train` (tiny, a few steps, chat template; default head_dim 8, which the
-    CPU build runs padded to its 32-wide heads)."""
+    """A folder saved by `diff-transformer train` (tiny, chat template; default head_dim 8, which the CPU build runs
+    padded to its 32-wide heads), trained long enough that the prompts below get different greedy answers (after
+    20 or 60 steps, with the scaled embeddings of the default, every prompt gets the same ones)."""
     folder = tmp_path_factory.mktemp("trained") / "diff-tiny"
-    cli_main(["train", "--max-steps", "20", "--examples", "300", "--output", str(folder), "--chat-template",
+    cli_main(["train", "--max-steps", "150", "--examples", "300", "--output", str(folder), "--chat-template",
               "--max-new-tokens", "2"])
     return folder
 
