@@ -172,7 +172,7 @@ def eager_v2_attention(module, q, k, v, gate, attention_mask, scaling):
 
 
 @contextmanager
-def capture_branch_attentions(model: torch.nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+def capture_branch_attentions(model: torch.nn.Module) -> Iterator[list[tuple[torch.Tensor, ...]]]:
     """Collect (A1 [B, h, T, S], A2, lambda) of every differential layer, in layer order, during forwards of `model`
     inside the block. Only `eager` materialises the maps.
 

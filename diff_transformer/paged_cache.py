@@ -165,4 +165,5 @@ class ContinuousBatchingMixin:
         return with_paged_cache_view(self, manager)
 
 
-__all__ = ["ContinuousBatchingMixin", "check_continuous_batching", "paged_update", "PagedLayerCache", "with_paged_cache_view"]
+__all__ = ["ContinuousBatchingMixin", "check_continuous_batching", "paged_update", "PagedLayerCache",
+           "with_paged_cache_view"]

@@ -1,5 +1,6 @@
 """PolyNorm (arXiv 2411.03884), the MLP activation of `hidden_act="poly_norm"` (Motif-2's differential-attention
-models), and the MLP of a Differential Transformer layer (arXiv 2410.05258): Llama's gated MLP with either activation."""
+models), and the MLP of a Differential Transformer layer (arXiv 2410.05258): Llama's gated MLP with either
+activation."""
 
 import torch
 from torch import nn
