@@ -3,20 +3,16 @@
 plain `generate`'s greedy text, with and without `--continuous-batching`, and the server exits cleanly on Ctrl-C.
 Each server is a subprocess on 127.0.0.1 with no Hub access, bounded in time."""
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import STACKS, tiny_config
+from helpers.servers import START_S, free_port, post, wait_until_up
 from transformers.utils.import_utils import is_serve_available
 
 from diff_transformer import DiffForCausalLM
@@ -27,7 +23,7 @@ pytestmark = pytest.mark.skipif(not is_serve_available(), reason="pip install 'd
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, MESSAGE = "k1 v2 k3 v4 ? k1", "k5 v9 ? k5"
 NEW_TOKENS = 5
-START_S, REQUEST_S, STOP_S = 240, 120, 120  # generous: the CI machine may be busy
+STOP_S = 120  # generous: the CI machine may be busy
 # A bounded paged cache: without --cb-num-blocks transformers sizes it to most of the free memory (on a CPU, RAM)
 BATCHING = ["--continuous-batching", "--cb-num-blocks", "8", "--cb-max-batch-tokens", "256"]
 
@@ -58,31 +54,6 @@ def expected_text(folder: Path, chat: bool) -> str:
     model = DiffForCausalLM.from_pretrained(folder).eval()
     out = model.generate(torch.tensor([list(ids)]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
-        return json.loads(response.read())
-
-
-def wait_until_up(server: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited with {server.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-            return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    pytest.fail(f"the server did not answer within {START_S} s:\n{log.read_text()[-3000:]}")
 
 
 def start(arguments: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:

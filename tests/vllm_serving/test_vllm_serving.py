@@ -10,10 +10,8 @@ import os
 import shutil
 import signal
 import threading
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +22,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 import vllm  # noqa: E402
 
 import torch  # noqa: E402
+from helpers.servers import free_port, post, wait_until_up  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
 
 from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
@@ -43,7 +42,6 @@ LOGPROB_TOL = 1e-4
 NEW_TOKENS = 16
 PROMPTS = [[1, 10, 11, 12, 13, 14, 15], [1, 40, 41, 42], [1, 70, 20, 90, 33, 34, 35, 36, 37, 38, 100]]
 WORDS = [f"w{i}" for i in range(120)]
-SERVER_START_S = 240
 # Every engine pages the cache in blocks of 32 tokens and prefills at most 32 tokens a step, so the long prompt
 # (110 tokens, 4 blocks) is prefilled in 4 chunks, and the second long prompt, which shares its first 96 tokens
 # (3 full blocks), starts from the prefix cache.
@@ -336,32 +334,6 @@ def test_bad_folder_gives_one_line_error(problem, options, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("diff-transformer serve: error:"), (
         result.stderr[-2000:])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-def wait_until_up(server: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"the server exited with {server.returncode}: {log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"no server on port {port} after {SERVER_START_S} s: {log.read_text()[-3000:]}")
 
 
 def stop(server: subprocess.Popen) -> None:
