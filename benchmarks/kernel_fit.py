@@ -294,14 +294,14 @@ def merge_rows(kept: list[dict], rows: list[dict]) -> dict[tuple, dict]:
 
 def write_record(rows: list[dict], path: Path = RECORD) -> None:
     """Merge `rows` into the record, one row per line (a row of the same variant and tile replaces the old one),
-    failed candidates included. Rows compiled under FLOOR_TRITON, where the record is of another release, go to
-    its `floor_rows`; rows of any other release or kernel source replace the record. The record states which
+    failed candidates included. Rows compiled under FLOOR_TRITON, where the record holds rows of another release,
+    go to its `floor_rows`; rows of any other release or kernel source replace the record. The record states which
     candidates it holds (`candidates_text`)."""
     import triton
 
     record = read_record(path)
     source = record["kernel_sha256"] == kernel_sha256()
-    floor = triton.__version__ == FLOOR_TRITON != record["triton"] and source
+    floor = triton.__version__ == FLOOR_TRITON != record["triton"] and source and bool(record["rows"])
     same = record["triton"] == triton.__version__ and source
     main = merge_rows(record["rows"], [] if floor else rows) if same or floor else merge_rows([], rows)
     floor_rows = merge_rows(record["floor_rows"] if source else [], rows if floor else [])

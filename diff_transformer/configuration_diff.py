@@ -418,4 +418,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_offset))
 
 
-__all__ = ["DiffConfig", "check_local_path", "check_model_type", "unsupported_fields"]
+__all__ = ["DiffConfig", "unsupported_fields"]
