@@ -1,15 +1,20 @@
 """One attention layer's core (after the projections) per backend: forward and forward+backward time, peak memory.
 
 Reference: standard (non-differential) attention with the same FLOPs, Llama sdpa over 2h heads of dim d.
-Ratios in the table are time / reference time. Examples:
+Ratios in the table are time / reference time. `--decode` adds a table of one decode step (one query row against
+`seq` cached keys, forward only); `--profile` the profiler's costliest operations of one forward+backward of
+diff_flash (the tiled kernel on a CPU), the two-call path and the reference at the last length. On a GPU the lines
+after the tables set diff_flash against its targets (docs/kernels.md). Examples:
 
     python benchmarks/bench_attention.py --quick                      # smoke run, seq 256
     python benchmarks/bench_attention.py --seqs 1024 2048 4096        # CPU
-    python benchmarks/bench_attention.py --seqs 1024 2048 4096 8192 16384 --dtype bf16   # GPU
+    python benchmarks/bench_attention.py --seqs 1024 2048 4096 8192 16384 --dtype bf16 --decode   # GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_attention.py --quick --decode --profile   # CPU rehearsal of diff_flash
 """
 
 import argparse
 import importlib.util
+import os
 import shlex
 import sys
 import time
@@ -20,10 +25,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig
-from diff_transformer.attention_kernels import DIFF_FLASH, DIFF_KERNELS, diff_attention, triton_available
+from diff_transformer.attention_kernels import (DIFF_FLASH, DIFF_KERNELS, diff_attention, select_kernel,
+                                                triton_available)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # diff_flash runs on the CPU, slowly: a rehearsal
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -38,21 +45,24 @@ class Layer:
         self.training = True
 
 
-def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype):
+def diff_inputs(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype, queries: int | None = None):
+    """q [B, 2h, T, d], k [B, h_kv, S, 2d], v [B, h_kv, S, dv], lambda; T = `queries` (default S = `seq`)."""
     h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
-    q = torch.randn(batch, 2 * h, seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    q = torch.randn(batch, 2 * h, queries or seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, h_kv, seq, 2 * d, device=DEVICE, dtype=dtype, requires_grad=True)
     v = torch.randn(batch, h_kv, seq, dv, device=DEVICE, dtype=dtype, requires_grad=True)
     lam = torch.tensor(0.5, device=DEVICE, requires_grad=True)
     return q, k, v, lam
 
 
-def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: int, seq: int, dtype: torch.dtype):
+def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: int, seq: int, dtype: torch.dtype,
+            decode: bool = False):
+    """A V1 layer's core; `decode`: one query row against `seq` keys (it sees them all: no mask)."""
     h, d = config.num_attention_heads, config.head_dim
     module = Layer(config, implementation, h // config.num_key_value_heads)
-    q, k, v, lam = diff_inputs(config, batch, seq, dtype)
+    q, k, v, lam = diff_inputs(config, batch, seq, dtype, 1 if decode else None)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=DEVICE).tril()[None, None]
-    mask = causal if implementation == "eager" else None
+    mask = causal if implementation == "eager" and not decode else None
 
     def run():
         return attend(module, q, k, v, lam, mask, d**-0.5)[0]
@@ -61,21 +71,21 @@ def v1_case(config: DiffConfig, implementation: str, attend: Callable, batch: in
 
 
 def standard_case(config: DiffConfig, implementation: str, batch: int, seq: int, dtype: torch.dtype, heads: int,
-                  kv_heads: int, combine: bool):
+                  kv_heads: int, combine: bool, decode: bool = False):
     """Llama-style attention over `heads` heads of dim d; `combine` adds the DIFF V2 pair subtraction."""
-    d = config.head_dim
+    d, queries = config.head_dim, 1 if decode else seq
     module = Layer(config, implementation, heads // kv_heads)
-    q = torch.randn(batch, heads, seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    q = torch.randn(batch, heads, queries, d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
     v = torch.randn(batch, kv_heads, seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    gate = torch.rand(batch, seq, heads // 2, device=DEVICE, requires_grad=True)
+    gate = torch.rand(batch, queries, heads // 2, device=DEVICE, requires_grad=True)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, sdpa_attention_forward)
 
     def run():
         out = attend(module, q, k, v, None, dropout=0.0, scaling=d**-0.5)[0]  # [B, T, heads, d]
         if not combine:
             return out
-        pairs = out.view(batch, seq, heads // 2, 2, d)
+        pairs = out.view(batch, queries, heads // 2, 2, d)
         return pairs[..., 0, :].float() - gate[..., None] * pairs[..., 1, :].float()
 
     return run, (q, k, v, gate)
@@ -108,25 +118,36 @@ def measure(run: Callable, leaves, backward: bool, repeats: int) -> tuple[float,
     return sorted(times)[len(times) // 2], peak
 
 
-def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype) -> dict[str, tuple[Callable, object] | str]:
-    """name -> (run, leaves) or the reason it is skipped."""
+REFERENCE = "standard sdpa (2h heads of d)"
+TWO_CALLS = "two torch sdpa calls"  # DiffLlama's route, and sdpa's on a GPU for T > 1
+ROUTES = {"tiled": "tiled kernel", "sdpa_decode_step": "one-call decode step", "standard_calls": TWO_CALLS}
+
+
+def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype,
+          decode: bool = False) -> dict[str, tuple[Callable, object] | str]:
+    """name -> (run, leaves) or the reason it is skipped, the rows a target reads first (a run stopped at a time
+    limit has printed them); `decode`: one query row against `seq` keys."""
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
-    reference = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False)
-    out: dict = {"standard sdpa (2h heads of d)": reference}
-    out["eager"] = v1_case(config, "eager", diff_attention, batch, seq, dtype)
-    out["sdpa" if CUDA else "sdpa (CPU: tiled kernel)"] = v1_case(config, "sdpa", diff_attention, batch, seq, dtype)
-    if not CUDA:
-        out["two torch sdpa calls (sdpa's GPU route)"] = v1_case(config, "sdpa", DIFF_KERNELS["standard_calls"],
-                                                                 batch, seq, dtype)
-    flash_ok = CUDA and importlib.util.find_spec("flash_attn") is not None
-    out["flash_attention_2"] = (v1_case(config, "flash_attention_2", diff_attention, batch, seq, dtype)
-                                if flash_ok else "needs CUDA and flash-attn")
-    out["flex_attention"] = (v1_case(config, "flex_attention", diff_attention, batch, seq, dtype)
-                             if CUDA else "needs CUDA (no flex backward on CPU; CPU compile is slow)")
+
+    def v1(implementation: str, attend: Callable = diff_attention):
+        return v1_case(config, implementation, attend, batch, seq, dtype, decode)
+
+    out: dict = {REFERENCE: standard_case(config, "sdpa", batch, seq, dtype, 2 * h, 2 * h_kv, False, decode)}
+    sdpa = v1("sdpa")
+    route = select_kernel("sdpa", *sdpa[1][:3])
+    label = ROUTES[route] + (", DiffLlama's route" if route == "standard_calls" else "")
+    out[f"sdpa ({label})"] = sdpa
+    if route != "standard_calls":
+        out[f"{TWO_CALLS} (DiffLlama's route)"] = v1("sdpa", DIFF_KERNELS["standard_calls"])
     ok, reason = triton_available()
-    out[DIFF_FLASH] = (v1_case(config, DIFF_FLASH, diff_attention, batch, seq, dtype)
-                                 if CUDA and ok else reason if CUDA else "needs CUDA")
-    out["DIFF V2 (sdpa)"] = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, h_kv, True)
+    out[DIFF_FLASH] = (v1(DIFF_FLASH) if (CUDA or INTERPRET) and ok
+                       else reason if CUDA else "needs CUDA (or TRITON_INTERPRET=1, a rehearsal)")
+    flash_ok = CUDA and importlib.util.find_spec("flash_attn") is not None
+    out["flash_attention_2"] = v1("flash_attention_2") if flash_ok else "needs CUDA and flash-attn"
+    out["flex_attention"] = (v1("flex_attention") if CUDA
+                             else "needs CUDA (no flex backward on CPU; CPU compile is slow)")
+    out["eager"] = v1("eager")
+    out["DIFF V2 (sdpa)"] = standard_case(config, "sdpa", batch, seq, dtype, 2 * h, h_kv, True, decode)
     return out
 
 
@@ -140,10 +161,83 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16" if CUDA else "fp32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smoke run: seq 256, tiny heads, 1 repeat")
+    parser.add_argument("--decode", action="store_true", help="also time one decode step against seq cached keys")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the profiler's costliest operations of one forward+backward per kernel")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqs, args.heads, args.kv_heads, args.head_dim, args.repeats = [256], 2, 2, 16, 1
     return args
+
+
+def timings(config: DiffConfig, args: argparse.Namespace, decode: bool) -> dict[int, dict[str, tuple]]:
+    """Print one table; {seq: {backend: (forward s, forward+backward s or None)}} of what ran."""
+    dtype = DTYPES[args.dtype]
+    if decode:
+        print("\none decode step: 1 query row against seq cached keys, forward only\n")
+        print("| seq (cached keys) | backend | step ms | ratio |")
+        print("|---:|---|---:|---:|")
+    else:
+        print("| seq | backend | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio | peak MiB (fwd+bwd) |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
+    found: dict[int, dict[str, tuple]] = {}
+    for seq in args.seqs:
+        reference, found[seq] = None, {}
+        for name, case in cases(config, args.batch, seq, dtype, decode).items():
+            if isinstance(case, str):
+                print(f"| {seq} | {name} | skipped: {case} | |{'' if decode else ' | | |'}")
+                continue
+            run, leaves = case
+            fwd, _ = measure(run, leaves, backward=False, repeats=args.repeats)
+            if decode:
+                found[seq][name] = (fwd, None)
+                reference = reference or fwd
+                print(f"| {seq} | {name} | {fwd * 1e3:.3f} | {fwd / reference:.2f} |", flush=True)
+                continue
+            both, peak = measure(run, leaves, backward=True, repeats=args.repeats)
+            found[seq][name] = (fwd, both)
+            reference = reference or (fwd, both)
+            print(f"| {seq} | {name} | {fwd * 1e3:.2f} | {fwd / reference[0]:.2f} | {both * 1e3:.2f} | "
+                  f"{both / reference[1]:.2f} | {'n/a (CPU)' if peak != peak else f'{peak:.1f}'} |", flush=True)
+    return found
+
+
+def target_lines(prefill: dict[int, dict[str, tuple]], decode: dict[int, dict[str, tuple]]) -> list[str]:
+    """diff_flash against the targets of docs/kernels.md, from the measured rows: forward+backward at least 1.5x
+    faster than the two-call path and within 1.3x of standard attention; a decode step within 1.1x of it."""
+    lines = []
+    for seq, rows in prefill.items():
+        two_calls = next((times for name, times in rows.items() if TWO_CALLS in name), None)
+        if DIFF_FLASH in rows and two_calls:
+            flash, reference = rows[DIFF_FLASH][1], rows[REFERENCE][1]
+            lines.append(f"seq {seq} fwd+bwd: diff_flash at {two_calls[1] / flash:.2f}x the two-call path's speed "
+                         f"(target 1.5 at seq >= 4096), {flash / reference:.2f}x standard attention's time "
+                         f"(target 1.3 or less)")
+    for seq, rows in decode.items():
+        if DIFF_FLASH in rows:
+            lines.append(f"seq {seq} decode step: diff_flash at {rows[DIFF_FLASH][0] / rows[REFERENCE][0]:.2f}x "
+                         f"standard attention's time (target 1.1 or less)")
+    return lines
+
+
+def profile(config: DiffConfig, args: argparse.Namespace, top: int = 8) -> None:
+    """The costliest operations (self time) of one forward+backward per kernel at the last length."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    seq, sort = args.seqs[-1], "self_device_time_total" if CUDA else "self_cpu_time_total"
+    for name, case in cases(config, args.batch, seq, DTYPES[args.dtype]).items():
+        if isinstance(case, str) or not (name in (REFERENCE, DIFF_FLASH) or name.startswith("sdpa")
+                                         or name.startswith(TWO_CALLS)):
+            continue
+        run, leaves = case
+        measure(run, leaves, backward=True, repeats=1)  # compiled and warm
+        with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if CUDA else [])]) as trace:
+            run().float().sum().backward()
+            if CUDA:
+                torch.cuda.synchronize()
+        print(f"\nprofile of one forward+backward: {name}, seq {seq}\n")
+        print(trace.key_averages().table(sort_by=sort, row_limit=top))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,24 +245,17 @@ def main(argv: list[str] | None = None) -> None:
     print("command:", shlex.join([sys.executable, *sys.argv]))
     config = DiffConfig(hidden_size=2 * args.heads * args.head_dim, num_attention_heads=args.heads,
                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, num_hidden_layers=1)
-    dtype = DTYPES[args.dtype]
     device = torch.cuda.get_device_name() if CUDA else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"\ndevice: {device}; dtype {args.dtype}; batch {args.batch}; h={args.heads} h_kv={args.kv_heads} "
-          f"d={args.head_dim}; median of {args.repeats}\n")
-    print("| seq | backend | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio | peak MiB (fwd+bwd) |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for seq in args.seqs:
-        reference = None
-        for name, case in cases(config, args.batch, seq, dtype).items():
-            if isinstance(case, str):
-                print(f"| {seq} | {name} | skipped: {case} | | | | |")
-                continue
-            run, leaves = case
-            fwd, _ = measure(run, leaves, backward=False, repeats=args.repeats)
-            both, peak = measure(run, leaves, backward=True, repeats=args.repeats)
-            reference = reference or (fwd, both)
-            print(f"| {seq} | {name} | {fwd * 1e3:.2f} | {fwd / reference[0]:.2f} | {both * 1e3:.2f} | "
-                  f"{both / reference[1]:.2f} | {'n/a (CPU)' if peak != peak else f'{peak:.1f}'} |", flush=True)
+    print(f"\ndevice: {device}{'; TRITON_INTERPRET=1 (a rehearsal)' if INTERPRET and not CUDA else ''}; "
+          f"dtype {args.dtype}; batch {args.batch}; h={args.heads} h_kv={args.kv_heads} d={args.head_dim}; "
+          f"median of {args.repeats}\n")
+    prefill = timings(config, args, decode=False)
+    decode = timings(config, args, decode=True) if args.decode else {}
+    lines = target_lines(prefill, decode)
+    if lines:
+        print("\ntargets:\n" + "\n".join(lines))
+    if args.profile:
+        profile(config, args)
 
 
 if __name__ == "__main__":

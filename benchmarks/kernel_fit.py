@@ -349,6 +349,14 @@ def _best(qualifying: dict, family: int) -> tuple | None:
     return min(qualifying, key=lambda tile: _order(tile, qualifying[tile], family), default=None)
 
 
+def ranked(candidates: dict[tuple, dict[tuple, dict]], family: int, kernel: str) -> list[tuple]:
+    """The candidates of one lookup that qualify without a mask, in RULE's step 2 order: the pick first, then the
+    fit-checked alternatives a GPU may time against it (benchmarks/bench_tiles.py). Pure."""
+    plain = [mode for mode in MODES[kernel] if mode != "padmask"]
+    qualifying = _qualifying(candidates, FAMILIES[family], plain)
+    return sorted(qualifying, key=lambda tile: _order(tile, qualifying[tile], family))
+
+
 def pick(candidates: dict[tuple, dict[tuple, dict]], family: int, kernel: str) -> tuple[tuple, tuple] | None:
     """RULE for one lookup: (tile, tile under a padding mask) from `candidates` = {tile: {(target, mode): compile
     row}} of one family, dtype, d, dv and kernel, or None where no candidate qualifies in both. Pure: it reads

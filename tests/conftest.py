@@ -41,3 +41,4 @@ def _seed():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than a few seconds per case; not in the default run")
     config.addinivalue_line("markers", "gpu: needs CUDA")
+    config.addinivalue_line("markers", "rehearsal: the GPU suite on a CPU (minutes); CI's floor pass runs it")

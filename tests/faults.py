@@ -8,7 +8,8 @@ The repository (without .git and virtual environments) is copied once into a tem
 line of that copy's package (the text it replaces must occur exactly once, so a fault cannot silently become a no-op
 when the code moves), runs pytest on the copy with `-x` over the test files where the faulty code runs, most
 sensitive first, so that the run stops at the first test that catches it, prints that test's node id, and restores
-the line. The working tree is never edited. Tests run under the default selection (`-m 'not slow and not gpu'`).
+the line. The working tree is never edited. Tests run under the default selection
+(`-m 'not slow and not gpu and not rehearsal'`).
 """
 
 import argparse
