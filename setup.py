@@ -36,6 +36,7 @@ setup(
         "notebooks": ["matplotlib>=3.8", "peft>=0.20,<=0.21.2", "jupyterlab>=4"],
         "dev": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # .ci/run: two test processes, one per core
             "cloudpickle>=3",  # tests/test_config.py: the config class ships by value
             "peft>=0.20,<=0.21.2",
             "triton>=3.2",
