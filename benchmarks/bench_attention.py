@@ -121,6 +121,8 @@ def measure(run: Callable, leaves, backward: bool, repeats: int) -> tuple[float,
 REFERENCE = "standard sdpa (2h heads of d)"
 TWO_CALLS = "two torch sdpa calls"  # DiffLlama's route, and sdpa's on a GPU for T > 1
 ROUTES = {"tiled": "tiled kernel", "sdpa_decode_step": "one-call decode step", "standard_calls": TWO_CALLS}
+OPTIONAL = {"eager": "eager", "flex_attention": "flex_attention", "flash_attention_2": "flash_attention_2",
+            "v2": "DIFF V2 (sdpa)"}  # --skip NAME: the rows a run may leave out
 
 
 def cases(config: DiffConfig, batch: int, seq: int, dtype: torch.dtype,
@@ -162,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smoke run: seq 256, tiny heads, 1 repeat")
     parser.add_argument("--decode", action="store_true", help="also time one decode step against seq cached keys")
+    parser.add_argument("--skip", nargs="+", choices=list(OPTIONAL), default=[],
+                        help="rows to leave out (flex_attention compiles for each length: tens of seconds on a GPU)")
     parser.add_argument("--profile", action="store_true",
                         help="also print the profiler's costliest operations of one forward+backward per kernel")
     args = parser.parse_args(argv)
@@ -172,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def timings(config: DiffConfig, args: argparse.Namespace, decode: bool) -> dict[int, dict[str, tuple]]:
     """Print one table; {seq: {backend: (forward s, forward+backward s or None)}} of what ran."""
-    dtype = DTYPES[args.dtype]
+    dtype, skipped = DTYPES[args.dtype], {OPTIONAL[name] for name in args.skip}
     if decode:
         print("\none decode step: 1 query row against seq cached keys, forward only\n")
         print("| seq (cached keys) | backend | step ms | ratio |")
@@ -184,6 +188,8 @@ def timings(config: DiffConfig, args: argparse.Namespace, decode: bool) -> dict[
     for seq in args.seqs:
         reference, found[seq] = None, {}
         for name, case in cases(config, args.batch, seq, dtype, decode).items():
+            if name in skipped:
+                continue
             if isinstance(case, str):
                 print(f"| {seq} | {name} | skipped: {case} | |{'' if decode else ' | | |'}")
                 continue
