@@ -84,11 +84,14 @@ def run_step(name: str, out: Path, rehearse: bool) -> str:
         done = subprocess.run(command, capture_output=True, text=True, timeout=None if rehearse else step.limit,
                               env=environment)
         status, text = ("ok" if done.returncode == 0 else f"failed (exit {done.returncode})"), done.stdout + done.stderr
-    except subprocess.TimeoutExpired as error:
-        status, text = f"stopped at its {step.limit} s limit", f"{error.stdout or ''}{error.stderr or ''}"
-    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    except subprocess.TimeoutExpired as error:  # what the step printed before it was stopped (bytes on some Pythons)
+        status, text = f"stopped at its {step.limit} s limit", "".join(map(as_text, (error.stdout, error.stderr)))
     (out / f"{name}.md").write_text(f"command: {shlex.join(command)}\n\n{text}")
     return f"| {name} | {status} | {time.perf_counter() - start:.0f} | {summary_line(text)[:600]} |"
+
+
+def as_text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def summary_line(text: str) -> str:

@@ -116,3 +116,15 @@ def test_target_lines_set_diff_flash_against_the_right_rows():
         "seq 4096 fwd+bwd: diff_flash at 2.50x the two-call path's speed (target 1.5 at seq >= 4096), 1.20x standard "
         "attention's time (target 1.3 or less)",
         "seq 4096 decode step: diff_flash at 1.15x standard attention's time (target 1.1 or less)"]
+
+
+def test_a_step_past_its_limit_keeps_what_it_printed(tmp_path, monkeypatch):
+    """A step stopped at its time limit: its row says so, and the rows it printed before are in its file and in the
+    summary row (a benchmark prints each row as it is measured)."""
+    suite = load("gpu_suite")
+    script = "import time; print('seq 4096 fwd+bwd: diff_flash at 1.62x', flush=True); time.sleep(30)"
+    monkeypatch.setitem(suite.STEPS, "slow-step", suite.Step([sys.executable, "-c", script], 3, []))
+    row = suite.run_step("slow-step", tmp_path, rehearse=False)
+    assert row.startswith("| slow-step | stopped at its 3 s limit | ") and "diff_flash at 1.62x" in row, row
+    text = (tmp_path / "slow-step.md").read_text()
+    assert "\n\nseq 4096 fwd+bwd: diff_flash at 1.62x\n" in text, text  # the text, not the repr of its bytes
