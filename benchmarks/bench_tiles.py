@@ -23,8 +23,6 @@ import kernel_fit
 from diff_transformer import DiffConfig
 import diff_transformer.kernel_diff_flash as kernels
 
-INTERPRET = kernels._INTERPRET
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,12 +36,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target", type=int, choices=sorted(kernels.SHARED_MEMORY),
                         help="under TRITON_INTERPRET=1: the compute capability whose tiles run (a rehearsal)")
-    args = parser.parse_args(argv)
-    if not (bench.CUDA or INTERPRET):
-        parser.error("needs a CUDA GPU, or TRITON_INTERPRET=1 with --target for a rehearsal on the CPU")
-    if INTERPRET and not bench.CUDA and args.target is None:
-        parser.error("under TRITON_INTERPRET=1 give --target (e.g. --target 90): the tiles of which GPU to run")
-    return args
+    return parser.parse_args(argv)
+
+
+def where_it_runs(args: argparse.Namespace) -> str:
+    """Why these arguments cannot run on this machine ("" when they can)."""
+    if not (bench.CUDA or bench.INTERPRET):
+        return "needs a CUDA GPU, or TRITON_INTERPRET=1 with --target for a rehearsal on the CPU"
+    if not bench.CUDA and args.target is None:
+        return "under TRITON_INTERPRET=1 give --target (e.g. --target 90): the tiles of which GPU to run"
+    return ""
 
 
 @contextlib.contextmanager
@@ -69,6 +71,9 @@ def contenders(lookups: dict, key: tuple, shipped: tuple, alternatives: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if problem := where_it_runs(args):
+        print(f"bench_tiles: {problem}", file=sys.stderr)
+        return 2
     print("command:", shlex.join([sys.executable, *sys.argv]))
     if bench.CUDA:
         target = kernels.device_target(torch.cuda.current_device())

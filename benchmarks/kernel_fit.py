@@ -361,8 +361,7 @@ def pick(candidates: dict[tuple, dict[tuple, dict]], family: int, kernel: str) -
     """RULE for one lookup: (tile, tile under a padding mask) from `candidates` = {tile: {(target, mode): compile
     row}} of one family, dtype, d, dv and kernel, or None where no candidate qualifies in both. Pure: it reads
     the rows only."""
-    plain = [mode for mode in MODES[kernel] if mode != "padmask"]
-    unmasked = _best(_qualifying(candidates, FAMILIES[family], plain), family)
+    unmasked = next(iter(ranked(candidates, family, kernel)), None)
     masked_fits = _qualifying(candidates, FAMILIES[family], ["padmask"])
     masked = unmasked if unmasked in masked_fits else _best(masked_fits, family)
     return (unmasked, masked) if unmasked and masked else None
