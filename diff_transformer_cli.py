@@ -217,6 +217,20 @@ def local_folder_or_hub_id(text: str) -> str:
     return text
 
 
+def embedding_multiplier(text: str) -> float | str:
+    """train's --embedding-multiplier: a number > 0, or 'sqrt' (sqrt(hidden size), DiffConfig's default)."""
+    if text == "sqrt":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number > 0 (1.0: unscaled embeddings) or 'sqrt' "
+                                         "(sqrt of --hidden-size)")
+    return value
+
+
 def parse_layers(text: str) -> list[int]:
     """'1-11' or '1,3,5' (0-based, ranges inclusive) -> layer indices."""
     layers = []
@@ -274,6 +288,8 @@ def backend_problem(name: str) -> str | None:
 
 def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     fill_data_specific(args, parser)
+    if args.embedding_multiplier is None:  # the built-in task's recipe; the package's default on text
+        args.embedding_multiplier = "sqrt" if args.data is not None else 1.0
     if args.hidden_size % (2 * args.heads):
         parser.error(f"--hidden-size ({args.hidden_size}) must be a multiple of 2 * --heads ({2 * args.heads}): "
                      "each head has two query/key sub-heads of hidden / (2 heads) dims")
@@ -318,6 +334,10 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per optimizer step")
     parser.add_argument("--learning-rate", type=positive_float, default=5e-3, help="peak AdamW learning rate (cosine)")
     parser.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
+    parser.add_argument("--embedding-multiplier", type=embedding_multiplier,
+                        help="token embeddings x this in the forward (config.json's embedding_multiplier): a number "
+                             "> 0, or 'sqrt' for sqrt(--hidden-size) (default: 1.0 on the built-in task, the "
+                             "recipe measured over seeds in benchmarks/RESULTS.md; 'sqrt' on --data)")
     parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
     parser.add_argument("--heads", type=positive_int, default=4,
                         help="differential heads h; head_dim = hidden-size / (2h)")

@@ -35,9 +35,9 @@ from .training import (
 
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
 TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
-    "data", "max_steps", "minutes", "batch_size", "learning_rate", "hidden_size", "layers", "heads", "block_size",
-    "vocab_size", "examples", "pairs", "keys", "attn_implementation", "bf16", "seed", "chat_template", "save_steps",
-    "save_total_limit", "resume",
+    "data", "max_steps", "minutes", "batch_size", "learning_rate", "hidden_size", "embedding_multiplier", "layers",
+    "heads", "block_size", "vocab_size", "examples", "pairs", "keys", "attn_implementation", "bf16", "seed",
+    "chat_template", "save_steps", "save_total_limit", "resume",
 )
 
 
@@ -148,6 +148,7 @@ def tiny_config(tokenizer, args: argparse.Namespace) -> DiffConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
+        embedding_multiplier=None if args.embedding_multiplier == "sqrt" else args.embedding_multiplier,
     )
 
 
