@@ -360,7 +360,9 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
         check_context(folder, args.length, f"--length {args.length}")
     if args.baseline is not None:
         check_same_encoding(tokenizers["diff"], tokenizers["baseline"], args.model, args.baseline)
-    models = {name: (load_checked_model(folder, attn_implementation=attn_implementation).eval(), tokenizers[name])
+    # float32 whatever the saved dtype: the measurements sum and divide attention weights (evaluation.load_model)
+    models = {name: (load_checked_model(folder, attn_implementation=attn_implementation, dtype=torch.float32).eval(),
+                     tokenizers[name])
               for name, folder in folders.items()}
     set_threads(args.threads, models["diff"][0])
     return models
