@@ -173,7 +173,13 @@ def apply_init(model: torch.nn.Module, init: str) -> torch.nn.Module:
             for name, param in model.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_((2 * layers) ** -0.5)
-    if spec["embed_sqrt"]:
+    return scale_embeddings(model, init)
+
+
+def scale_embeddings(model: torch.nn.Module, init: str) -> torch.nn.Module:
+    """The forward part of `INITS[init]`: with `embed_sqrt`, the token embeddings multiplied by sqrt(hidden) by a
+    forward hook. A model saved and loaded again needs it again (its weights carry the rest of the initialisation)."""
+    if INITS[init]["embed_sqrt"]:
         scale = math.sqrt(model.config.hidden_size)
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * scale)
     return model
