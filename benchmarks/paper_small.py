@@ -1098,10 +1098,9 @@ def study_report(found: dict, args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
-def run_study(args: argparse.Namespace) -> str:
-    """`study` of one task, written to args.output_dir: report.md and results.json."""
+def run_study(args: argparse.Namespace, command: str) -> str:
+    """`study` of one task, written to args.output_dir: report.md and results.json; `command` made it."""
     found = study(args)
-    command = shlex.join(["python", "benchmarks/paper_small.py", *sys.argv[1:]])
     report = study_report(found, args, command)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "report.md").write_text(report)
@@ -1188,8 +1187,9 @@ def main(argv: list[str] | None = None) -> str:
             print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
             args.tasks = [t for t in args.tasks if t != "text"]
         root = args.output_dir or STUDY_ROOT  # --quick: its folder
-        return "\n".join(run_study(argparse.Namespace(**{**vars(args), "tasks": [task], "output_dir": root / task}))
-                         for task in args.tasks)
+        command = shlex.join(["python", "benchmarks/paper_small.py", *(sys.argv[1:] if argv is None else argv)])
+        return "\n".join(run_study(argparse.Namespace(**{**vars(args), "tasks": [task], "output_dir": root / task}),
+                                   command) for task in args.tasks)
     if args.output_dir is None and not args.calibrate:
         if "text" in args.tasks and not args.data.is_file() and args.tasks != ["text"]:
             print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
