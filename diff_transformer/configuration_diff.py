@@ -1,6 +1,7 @@
 """Configuration of the Differential Transformer (Ye et al., "Differential Transformer", arXiv 2410.05258)."""
 
 import copy
+import dataclasses
 import difflib
 import logging
 import math
@@ -102,6 +103,33 @@ def type_name(annotation: object) -> str:
         return f"a list of {typing.get_args(annotation)[0].__name__}"
     names = {int: "an int", float: "a finite float", type(None): "None"}
     return names.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
+
+
+def unvalidated_copy(config: PreTrainedConfig, **fields) -> PreTrainedConfig:
+    """A shallow copy of `config` with `fields` set and no field validation: a description for code that reads
+    other shapes from a config (a layer's cache, Llama's modules built with other head counts), not a model config."""
+    view = copy.copy(config)
+    view.__dict__.update(fields)
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """What one attention layer caches per token: `kv_heads` heads of keys `key_dim` wide and of values `value_dim`
+    wide (`DiffConfig.layer_cache`). The one description every cache consumer reads: transformers' per-layer
+    configs, the paged cache, PEFT's prefix, the vLLM layout."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def key_elements(self) -> int:
+        return self.kv_heads * self.key_dim
+
+    @property
+    def value_elements(self) -> int:
+        return self.kv_heads * self.value_dim
 
 
 # Tensor parallelism (`tp_plan="auto"`): rank r of n holds whole heads [r h/n, (r+1) h/n), i.e. both branches' q/k rows
@@ -383,19 +411,31 @@ class DiffConfig(PreTrainedConfig):
         """The fields `per_layer_config` sets per layer (those transformers reads from each layer's config)."""
         return {"num_key_value_heads", "head_dim"}
 
-    def layer_cache_config(self, kind: str) -> "DiffConfig":
+    def layer_cache(self, kind: str) -> LayerCache:
+        """What a layer of `kind` (an `attention_types` entry) caches per token: a V1 differential layer packed keys
+        (k1 | k2) 2d wide and values dv wide per kv head; a V2 layer h_kv heads of d; a standard layer of a hybrid
+        stack h_kv dv / d heads of d (Llama attention with the projection shapes of a differential layer)."""
         d, dv, h_kv = self.head_dim, self.value_head_dim, self.num_key_value_heads
         if kind == "standard":
-            shape = {"num_key_value_heads": h_kv * dv // d}
-        elif self.diff_version == 2:
-            shape = {}
-        elif dv == 2 * d:
-            shape = {"head_dim": 2 * d}
-        else:
-            shape = {"head_dim": 2 * d, "qk_head_dim": 2 * d, "v_head_dim": dv}
-        layer = copy.copy(self)
-        layer.__dict__.update(shape)  # a description of the cache, not a model config: no field validation
-        return layer
+            return LayerCache(h_kv * dv // d, d, d)
+        if self.diff_version == 2:
+            return LayerCache(h_kv, d, d)
+        return LayerCache(h_kv, 2 * d, dv)
+
+    def widest_cached_row(self) -> int:
+        """Per token, the most elements any layer's keys or values take (`layer_cache`)."""
+        caches = [self.layer_cache(kind) for kind in set(self.attention_types)]
+        return max(max(cache.key_elements, cache.value_elements) for cache in caches)
+
+    def layer_cache_config(self, kind: str) -> "DiffConfig":
+        """A copy of the config describing a layer's cache as transformers reads it: `num_key_value_heads` x
+        `head_dim`, and, where keys and values differ in width, `qk_head_dim` / `v_head_dim` (as transformers marks
+        MLA layers)."""
+        cache = self.layer_cache(kind)
+        shape = {"num_key_value_heads": cache.kv_heads, "head_dim": cache.key_dim}
+        if cache.key_dim != cache.value_dim:
+            shape |= {"qk_head_dim": cache.key_dim, "v_head_dim": cache.value_dim}
+        return unvalidated_copy(self, **shape)
 
     def check_lambda_schedule(self) -> None:
         """Refuse a `lambda_init_offset` that gives a layer a lambda_init outside (-1, 1) (output scale
@@ -418,4 +458,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_offset))
 
 
-__all__ = ["DiffConfig", "unsupported_fields"]
+__all__ = ["DiffConfig", "LayerCache", "unsupported_fields"]

@@ -37,7 +37,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto import AutoModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
-from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -51,7 +50,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import TransformersKwargs
 
 from .attention_kernels import DiffFlashBackend, diff_attention, eager_v2_attention
-from .configuration_diff import DiffConfig
+from .configuration_diff import DiffConfig, unvalidated_copy
 from .decoder_layers import DecoderLayers
 from .diff_lambda import DiffLambda, frozen_lambdas
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
@@ -196,13 +195,10 @@ class DiffStandardAttention(LlamaAttention):
     backend `set_attn_implementation` switches."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
-        widen = config.value_head_dim // config.head_dim
-        heads = LlamaConfig(
-            hidden_size=config.hidden_size, head_dim=config.head_dim, attention_dropout=0.0,
-            num_attention_heads=config.num_attention_heads * widen,
-            num_key_value_heads=config.num_key_value_heads * widen, attention_bias=config.attention_bias,
-        )
-        super().__init__(heads, layer_idx)
+        cache = config.layer_cache("standard")
+        widen = cache.kv_heads // config.num_key_value_heads
+        super().__init__(unvalidated_copy(config, num_attention_heads=config.num_attention_heads * widen,
+                                          num_key_value_heads=cache.kv_heads), layer_idx)
         self.config = config
         self.o_proj = nn.Linear(self.o_proj.in_features, config.hidden_size, bias=config.attention_out_bias)
 
