@@ -79,7 +79,7 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
     """Unknown keyword arguments that closely match a field (`num_heads` -> `num_attention_heads`): transformers
     keeps unknown keys as plain attributes, so such a typo would be silently ignored."""
     ignored = BASE_KWARGS | set(GenerationConfig._get_default_generation_params())
-    matches = {key: difflib.get_close_matches(key, fields, n=2, cutoff=0.6) for key in kwargs if key not in ignored}
+    matches = {key: difflib.get_close_matches(key, fields, n=3, cutoff=0.6) for key in kwargs if key not in ignored}
     return {key: found for key, found in matches.items() if found and not key.startswith("_")}
 
 
@@ -169,6 +169,11 @@ class DiffConfig(PreTrainedConfig):
         head_dim (`int`, *optional*): q/k sub-head dim d. Paper default `hidden_size // (2 h)`.
         value_head_dim (`int`, *optional*): value/output width of a differential head. Defaults to 2d (paper);
             converted pretrained models use d.
+        num_noise_heads (`int`, *optional*): grouped differential attention (GDA, arXiv 2510.06949; Motif-2-12.7B):
+            the branch-2 ("noise") query heads g. Each serves h / g consecutive differential heads: its map A2 is
+            computed once and subtracted, with the layer's lambda, in each of them. It reads the k2 of kv head
+            `i // (g / h_kv)`, so g must divide h and be a multiple of h_kv. Defaults to h (one noise head per
+            head: the paper's DIFF); V1 only.
         lambda_init (`float`, *optional*): constant lambda_init in [0, 1); `None` uses the paper schedule
             `0.8 - 0.6 exp(-0.3 (layer_idx + lambda_init_offset))`.
         lambda_init_offset (`int`): added to the 0-based layer index in that schedule. 0 is the paper; Motif-2
@@ -214,6 +219,7 @@ class DiffConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     value_head_dim: int | None = None
+    num_noise_heads: int | None = None
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
@@ -259,6 +265,8 @@ class DiffConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
         if self.value_head_dim is None:
             self.value_head_dim = 2 * self.head_dim
+        if self.num_noise_heads is None:
+            self.num_noise_heads = self.num_attention_heads
         if self.attention_types is None:
             self.attention_types = ["differential"] * self.num_hidden_layers
         if self.embedding_multiplier is None:
@@ -341,7 +349,7 @@ class DiffConfig(PreTrainedConfig):
         """Raise `ValueError` for field combinations the model cannot build."""
         check = self._check
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "value_head_dim", "max_position_embeddings")
+                 "num_key_value_heads", "head_dim", "value_head_dim", "num_noise_heads", "max_position_embeddings")
         for name in sizes:
             check(getattr(self, name) > 0, f"{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("rms_norm_eps", "subln_eps"):
@@ -359,6 +367,7 @@ class DiffConfig(PreTrainedConfig):
             f"({self.num_attention_heads}); pick a divisor such as {self.num_attention_heads}",
         )
         check(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        self.check_noise_heads()
         check(self.diff_version in (1, 2), f"diff_version must be 1 or 2, got {self.diff_version}")
         check(not self.attention_dropout, "attention_dropout is not defined by the paper; set it to 0.0")
         check(
@@ -390,6 +399,24 @@ class DiffConfig(PreTrainedConfig):
                 f"standard layers need value_head_dim ({self.value_head_dim}) to be a multiple of head_dim "
                 f"({self.head_dim})",
             )
+
+    def check_noise_heads(self) -> None:
+        """Grouped noise heads (GDA): V1 only; g divides h (whole groups) and is a multiple of h_kv (each noise head
+        reads the k2 of one kv head, as the publisher's layout has it)."""
+        h, g, h_kv = self.num_attention_heads, self.num_noise_heads, self.num_key_value_heads
+        if g == h:
+            return
+        self._check(self.diff_version == 1, f"num_noise_heads ({g}) applies to diff_version=1 only (grouped "
+                    "differential attention); leave it unset for diff_version=2")
+        self._check(h % g == 0 and g % h_kv == 0,
+                    f"num_noise_heads ({g}) must divide num_attention_heads ({h}) and be a multiple of "
+                    f"num_key_value_heads ({h_kv}), since each noise head reads the k2 of one kv head; pick one "
+                    f"of {[n for n in range(h_kv, h + 1, h_kv) if h % n == 0]}")
+
+    @property
+    def noise_group_size(self) -> int:
+        """Differential heads per noise head, h / num_noise_heads (1: the paper's DIFF)."""
+        return self.num_attention_heads // self.num_noise_heads
 
     @property
     def per_layer_config(self) -> list["DiffConfig"]:

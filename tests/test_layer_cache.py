@@ -18,7 +18,7 @@ from diff_transformer.peft_defaults import prefix_head_width
 from diff_transformer.serving.layout import gpu_widths, kv_bytes_per_token
 
 D = 8  # head_dim of every case; hidden 32, 4 heads
-NOISE_HEADS = (None,)
+NOISE_HEADS = (None, 2)  # grouped noise heads: h / 2 differential heads each
 
 
 def geometry_cases() -> list[tuple[str, dict]]:
