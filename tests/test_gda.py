@@ -115,13 +115,17 @@ def test_model_equals_the_copied_plain_model(backend: str):
         assert_close(gda(ids).logits, plain(ids).logits, torch.float32, f"{backend} GDA vs copied", "backend")
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_generate_with_cache_equals_full_forwards(backend: str):
+def test_generate_with_cache_equals_full_forwards(backend: str, cache: str):
+    """Left-padded greedy generation on a dynamic cache, and on a static one allocated before the first forward
+    (chunked prefill) from the layers' cache geometry."""
     gda, _ = gda_and_copied(backend)
     prompt = torch.tensor([[0, 0, 5, 17, 33], [8, 61, 40, 2, 77]])
     mask = (prompt != 0).long()
+    static = dict(cache_implementation="static", prefill_chunk_size=3) if cache == "static" else {}
     out = gda.generate(prompt, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                       pad_token_id=0)
+                       pad_token_id=0, **static)
     sequence = prompt
     with torch.no_grad():
         for _ in range(6):
