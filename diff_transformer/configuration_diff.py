@@ -441,7 +441,8 @@ class DiffConfig(PreTrainedConfig):
     def layer_cache(self, kind: str) -> LayerCache:
         """What a layer of `kind` (an `attention_types` entry) caches per token: a V1 differential layer packed keys
         (k1 | k2) 2d wide and values dv wide per kv head; a V2 layer h_kv heads of d; a standard layer of a hybrid
-        stack h_kv dv / d heads of d (Llama attention with the projection shapes of a differential layer)."""
+        stack h_kv dv / d heads of d (Llama attention with the projection shapes of a differential layer). Grouped
+        noise heads (`num_noise_heads`) change none of these: each reads the k2 of one kv head."""
         d, dv, h_kv = self.head_dim, self.value_head_dim, self.num_key_value_heads
         if kind == "standard":
             return LayerCache(h_kv * dv // d, d, d)
