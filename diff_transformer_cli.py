@@ -405,6 +405,9 @@ def add_convert_parser(commands, common) -> Parser:
     parser.add_argument("--ignore-field", action="append", metavar="NAME",
                         help="Motif-2 only: a config.json field you have checked does not change the outputs "
                              "(the converter refuses set fields it does not know); repeatable")
+    parser.add_argument("--expand-noise-heads", action="store_true",
+                        help="Motif-2-12.7B only: write plain DIFF, each grouped noise head copied to every head of "
+                             "its group (more parameters; for servers and tools without grouped noise heads)")
     return parser
 
 

@@ -30,6 +30,7 @@ KERNELS = "diff_transformer/attention_kernels.py"
 COMMON = "diff_transformer/kernel_common.py"
 TILED = "diff_transformer/kernel_tiled.py"
 FLASH = "diff_transformer/kernel_diff_flash.py"
+MOTIF = "diff_transformer/tools/motif.py"
 
 # Test files by what they exercise, most sensitive (and fastest) first.
 LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
@@ -42,6 +43,8 @@ DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward"
               "test_past_key_values_warns_where_transformers_renamed_it")),
           "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
 TRAINING = ["tests/test_training.py::test_trainer_gradients_equal_a_plain_backward"]
+GDA = ["tests/test_gda.py::test_kernel_matches_reference"]
+MOTIF_LOGITS = ["tests/test_motif.py::test_logits_match_the_float64_reference"]
 
 
 class Fault(NamedTuple):
@@ -142,6 +145,15 @@ FAULTS = [
           'return f"head_dim={self.q1.numel()}"',
           'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
           ["tests/test_modeling.py::test_print_folds_identical_layers_like_llama"]),
+    Fault("GDA: noise map of the wrong group (eager)", KERNELS,
+          "a2 = a2.repeat_interleave(group, dim=1)", "a2 = a2.repeat(1, group, 1, 1)", GDA),
+    Fault("GDA: noise output of the wrong group (standard calls)", KERNELS,
+          "lam * branch_outputs[1].repeat_interleave(group, dim=2)", "lam * branch_outputs[1].repeat(1, 1, group, 1)",
+          GDA),
+    Fault("GDA: noise query of the wrong group (expanded at call)", COMMON,
+          "q2.repeat_interleave(group, dim=1)", "q2.repeat(1, group, 1, 1)", GDA),
+    Fault("GDA converter: noise rows of the wrong group", MOTIF,
+          "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
 ]
 
 

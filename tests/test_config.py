@@ -305,3 +305,22 @@ def test_config_saved_before_the_multiplier_loads_unscaled(tmp_path):
 def test_bad_embedding_multiplier_refused(value):
     with pytest.raises(ValueError, match="embedding_multiplier must be"):
         tiny_config(embedding_multiplier=value)
+
+
+def test_poly_norm_and_standard_layers_build_for_any_head_count():
+    """The PolyNorm MLP and a hybrid stack's standard layers build Llama's modules from the DiffConfig's own sizes:
+    a throwaway LlamaConfig (32 default heads, or h dv / d heads) refused hidden 48 ("not a multiple of the number
+    of attention heads")."""
+    import torch
+
+    from diff_transformer import DiffForCausalLM
+    from diff_transformer.poly_norm import PolyNorm
+
+    config = DiffConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=3, head_dim=8, value_head_dim=24, hidden_act="poly_norm",
+                        attention_types=["differential", "standard"])
+    model = DiffForCausalLM(config)
+    standard = model.model.layers[1].self_attn
+    assert isinstance(model.model.layers[0].mlp.act_fn, PolyNorm)
+    assert (standard.q_proj.out_features, standard.o_proj.in_features) == (3 * 3 * 8, 3 * 3 * 8)
+    assert torch.isfinite(model(torch.randint(0, 50, (1, 6))).logits).all()

@@ -340,9 +340,12 @@ def run_convert(args: argparse.Namespace) -> None:
         options["allow_sliding_window"] = True
     if args.ignore_field:
         options["ignore_fields"] = tuple(args.ignore_field)
+    if args.expand_noise_heads:
+        options["expand_noise_heads"] = True
     model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
     is_motif = Path(args.src).is_dir() and motif.is_motif_folder(args.src)
-    added = motif.added_parameters(read_config(args.src)) if is_motif else added_parameters(model)
+    added = (motif.added_parameters(read_config(args.src), args.expand_noise_heads) if is_motif
+             else added_parameters(model))
     print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
           f"{added:,} parameters added ({added / (model.num_parameters() - added):+.2%})")
 

@@ -29,6 +29,7 @@ from .target import copy_tokenizer, load_target
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "diffllama")
+MOTIF_OPTIONS = ("ignore_fields", "expand_noise_heads")  # `convert_motif`'s options
 SHARED_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act", "max_position_embeddings",
     "initializer_range", "rms_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
@@ -199,16 +200,16 @@ def convert(source: PreTrainedModel, **options) -> DiffForCausalLM:
 
 def convert_checkpoint(src: str, out: str, dtype: str = "auto", **options) -> DiffForCausalLM:
     """Load `src` (folder or Hub id), convert, save model, generation config and tokenizer files to `out`. A local
-    Motif-2 folder goes to `motif.convert_motif` (its only option: `ignore_fields`)."""
+    Motif folder goes to `motif.convert_motif` (its options: `MOTIF_OPTIONS`)."""
     from .motif import convert_motif, is_motif_folder
 
     if Path(src).is_dir() and is_motif_folder(src):
-        if set(options) - {"ignore_fields"}:
-            raise ValueError(f"{', '.join(sorted(set(options) - {'ignore_fields'}))} do(es) not apply to Motif-2 "
+        if set(options) - set(MOTIF_OPTIONS):
+            raise ValueError(f"{', '.join(sorted(set(options) - set(MOTIF_OPTIONS)))} do(es) not apply to Motif-2 "
                              "checkpoints, which convert whole (every layer is differential already)")
         return convert_motif(src, out, dtype, **options)
-    if "ignore_fields" in options:
-        raise ValueError("ignore_fields applies to Motif-2 checkpoints only")
+    if found := set(options) & set(MOTIF_OPTIONS):
+        raise ValueError(f"{', '.join(sorted(found))} appl(ies) to Motif-2 checkpoints only")
     check_supported(AutoConfig.from_pretrained(src))
     source = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     model = convert(source, **options)
