@@ -568,14 +568,15 @@ def cli_process(arguments: list[str], cwd: Path, **options) -> subprocess.Popen:
 
 
 def test_failed_save_leaves_nothing(tmp_path):
-    """The weights cannot be written (a full disk): one line, and no folder that blocks the rerun or looks like a
-    model (before: a traceback and a config.json without weights)."""
+    """The weights cannot be written (a full disk): one line naming the folder and the space it needs, and no folder
+    that blocks the rerun or looks like a model (before: a traceback and a config.json without weights)."""
     process = cli_process(["train", "--max-steps", "2", "--examples", "64", "--output", "runs/full"], tmp_path,
                           preexec_fn=write_limit(50_000))  # config.json fits, the weights do not
     err, _ = process.communicate(timeout=300)
     assert process.returncode == 2 and "Traceback" not in err, err[-3000:]
-    assert re.search(r"\ndiff-transformer train: error: could not save the model \(.*File too large.*\); nothing "
-                     r"saved: free some space, or choose another --output \(--debug shows the traceback\)\n$", err), err
+    assert re.search(r"\ndiff-transformer train: error: could not write runs/full: File too large; it needs about "
+                     r"[\d.]+ KB and .* are free there; nothing was written: free some space, or choose another "
+                     r"--output \(while saving; nothing saved\) \(--debug shows the traceback\)\n$", err), err
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
 
 

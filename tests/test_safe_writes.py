@@ -260,7 +260,7 @@ def test_convert_on_a_full_disk_keeps_the_old_model(convert_folders):
     before = file_hashes(root / "model")
     result = cli(["convert", "llama", "model", "--overwrite"], root, preexec_fn=write_limit(20_000))
     line = error_line(result, "convert")
-    assert re.search(rf"could not write {root}/model: File too large; it needs about [\d.]+ [KM]B and .* are free "
+    assert re.search(r"could not write model: File too large; it needs about [\d.]+ [KM]B and .* are free "
                      r"there; nothing was written: free some space, or choose another folder", line), line
     assert file_hashes(root / "model") == before and siblings(root) == []
 
@@ -273,7 +273,7 @@ def test_full_disk_during_a_checkpoint_is_one_line(tmp_path):
     needs (before: a 44-line traceback and a half checkpoint that --resume took), nothing left."""
     result = cli([*RUN, "--output", "runs/f"], tmp_path, preexec_fn=write_limit(150_000))
     line = error_line(result, "train")
-    assert re.search(rf"error: could not write {tmp_path}/runs/f/checkpoint-2: torch could not write a file .*; it "
+    assert re.search(r"error: could not write runs/f/checkpoint-2: torch could not write a file .*; it "
                      r"needs about [\d.]+ KB and .* are free there; nothing was written: free some space, or choose "
                      r"another --output \(at step 2 of 6; nothing saved\)", line), line
     assert not (tmp_path / "runs").exists(), sorted(tmp_path.rglob("*"))

@@ -185,7 +185,7 @@ def staged_folder(target: Path, replace: bool = False, needed: int | Callable[[]
     fsynced and renamed into place (`publish`; an existing `target` replaced only with `replace`). On any error
     nothing of it stays; one that ran out of room becomes a `WriteError` naming `target` and about how much it needs
     (`needed` bytes, or what was written, whichever is more)."""
-    target = Path(target).absolute()
+    shown, target = Path(target), Path(target).absolute()
     private = private_folder(target, STAGING)
     folder = private / inner if inner else private
     try:
@@ -197,7 +197,7 @@ def staged_folder(target: Path, replace: bool = False, needed: int | Callable[[]
             raise
         size = max(needed() if callable(needed) else needed, folder_bytes(private))
         shutil.rmtree(private, ignore_errors=True)
-        raise write_error(reason, target, size, hint) from error
+        raise write_error(reason, shown, size, hint) from error
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
@@ -208,7 +208,7 @@ def write_file(path: Path, write: Callable[[Path], object], replace: bool = True
     (`.NAME.incomplete-PID-XXXXXXXX.SUFFIX`, with `path`'s suffix for writers that read it), which is fsynced and
     renamed over `path` (an existing one only with `replace`); where `write` returns False, nothing is written. A
     write that runs out of room: a `WriteError`, and nothing left behind. Whether `path` was written."""
-    path = Path(path).absolute()
+    shown, path = Path(path), Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.{STAGING}-{os.getpid()}-", suffix=path.suffix,
                                         dir=path.parent)
@@ -231,7 +231,7 @@ def write_file(path: Path, write: Callable[[Path], object], replace: bool = True
         reason = no_room_reason(error)
         if reason is None:
             raise
-        raise write_error(reason, path, size, hint) from error
+        raise write_error(reason, shown, size, hint) from error
 
 
 def write_text(path: Path, text: str, replace: bool = True) -> None:
