@@ -297,8 +297,8 @@ def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParse
     if args.data is not None and safe_write.inside(Path(args.data), output):
         parser.error(f"--output {args.output} holds the --data file {args.data}, and the model replaces the folder "
                      "whole; choose another --output")
-    if check_checkpoints(args, parser) and not (output / "config.json").is_file():
-        return
+    if check_checkpoints(args, parser) and (args.resume or not (output / "config.json").is_file()):
+        return  # a run started with --overwrite over a saved model holds both until its model replaces them
     if (output / "config.json").is_file():
         if not args.overwrite:
             parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "

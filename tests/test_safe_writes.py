@@ -69,9 +69,9 @@ def file_size_limit(size: int) -> Iterator[None]:
 
 
 def cli(arguments: list[str], cwd: Path, kill_at: str | None = None, **options) -> subprocess.CompletedProcess:
-    """`diff-transformer ARGUMENTS` in a child process with no standard input; with `kill_at` ("POINT:NAME") it kills
-    itself there."""
-    env = cli_process_env(**({TEST_KILL: kill_at} if kill_at else {}))
+    """`diff-transformer ARGUMENTS` in a child process with no standard input, showing transformers' warnings as a
+    user sees them (the tests' own setting hides them); with `kill_at` ("POINT:NAME") it kills itself there."""
+    env = cli_process_env(TRANSFORMERS_VERBOSITY="warning", **({TEST_KILL: kill_at} if kill_at else {}))
     return subprocess.run([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT, **options)
 

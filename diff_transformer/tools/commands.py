@@ -235,6 +235,19 @@ def resume_note(args: argparse.Namespace, checkpoint: Path) -> str:
     return f"{skipped}resuming from {checkpoint} (step {checkpoint_step(checkpoint)})"
 
 
+def train_from(trainer, stop, checkpoint: Path | None, max_steps: int) -> TrainOutput:
+    """Train to `max_steps`, from `checkpoint` where resuming; a checkpoint of the last step is the result as it is
+    (Trainer would train one step more)."""
+    start = 0 if checkpoint is None else checkpoint_step(checkpoint)
+    if start >= max_steps:
+        print(f"{checkpoint} holds the run's last step ({start} of --max-steps {max_steps}): nothing left to train")
+        return checkpoint_result(trainer.model, checkpoint)
+    result = train_until_stopped(trainer, stop, checkpoint)
+    steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
+    print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
+    return result
+
+
 def run_train(args: argparse.Namespace) -> None:
     output = Path(args.output)
     existing = nearest_existing(output)
@@ -264,14 +277,7 @@ def run_train(args: argparse.Namespace) -> None:
         start = 0 if checkpoint is None else checkpoint_step(checkpoint)
         if checkpoint is not None:
             print(resume_note(args, checkpoint))
-        if start >= args.max_steps:  # Trainer would train one step more
-            result = checkpoint_result(model, checkpoint)
-            print(f"{checkpoint} holds the run's last step ({start} of --max-steps {args.max_steps}): nothing left "
-                  "to train")
-        else:
-            result = train_until_stopped(trainer, stop, checkpoint)
-            steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
-            print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
+        result = train_from(trainer, stop, checkpoint, args.max_steps)
         check_finite_weights(model, "the trained model")
         with staged_folder(output, replace=True, needed=lambda: tensor_bytes(model.state_dict().values()),
                            hint="free some space, or choose another --output") as staging:

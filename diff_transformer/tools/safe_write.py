@@ -30,6 +30,8 @@ STAGING, REPLACED = "incomplete", "replaced"
 # `.NAME.incomplete-PID-XXXXXXXX` (and the `-XXXXXXXX`-less names of older versions): what a writer leaves
 SIBLING = re.compile(rf"\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED})-(?P<pid>\d+)(-[^/]*)?")
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # a full disk, a quota, a file size limit
+# what torch's file writer raises when a write fails (it does not keep the OS error)
+TORCH_WRITE_FAILED = r"PytorchStreamWriter|inline_container|file write failed|basic_ios::clear: iostream error"
 # Test-only: "POINT:NAME" makes this process SIGKILL itself at POINT ("written", "replaced", "published", or a
 # writer's own, such as "partial") of writing the folder NAME, so that tests can kill a real save where they choose.
 # Inert unless set.
@@ -153,17 +155,21 @@ def human_bytes(size: float) -> str:
 
 
 def no_room_reason(error: BaseException) -> str | None:
-    """Why `error` says a write ran out of room (a full disk, a quota, a file size limit), or None when it is another
-    error. safetensors' errors carry the OS error's number in their text; torch's writer (`torch.save`, optimizer
-    states) says only that it could not write."""
-    if isinstance(error, OSError) and error.errno in NO_ROOM:
-        return error.strerror
-    text = str(error)
-    found = re.search(r"os error (\d+)", text)
-    if type(error).__name__ == "SafetensorError" and found and int(found[1]) in NO_ROOM:
-        return os.strerror(int(found[1]))
-    if isinstance(error, RuntimeError) and re.search(r"PytorchStreamWriter|inline_container|file write failed", text):
-        return f"torch could not write a file ({text.strip().splitlines()[0][:120]})"
+    """Why `error` (or an error it was raised from) says a write ran out of room (a full disk, a quota, a file size
+    limit), or None when it is another error. safetensors' errors carry the OS error's number in their text; torch's
+    writer (`torch.save`, optimizer states) says only that it could not write."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return error.strerror
+        text = str(error)
+        found = re.search(r"os error (\d+)", text)
+        if type(error).__name__ == "SafetensorError" and found and int(found[1]) in NO_ROOM:
+            return os.strerror(int(found[1]))
+        if isinstance(error, RuntimeError) and re.search(TORCH_WRITE_FAILED, text):
+            return f"torch could not write a file ({text.strip().splitlines()[0][:120]})"
+        error = error.__cause__ or error.__context__
     return None
 
 
