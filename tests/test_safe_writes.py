@@ -27,6 +27,7 @@ from transformers import AutoConfig
 
 from diff_transformer.tools.data import KeyValueTask
 from diff_transformer.tools.safe_write import (
+    HOST,
     TEST_KILL,
     WriteError,
     checkpoint_problem,
@@ -144,15 +145,17 @@ def test_write_file_is_whole_or_absent(tmp_path):
 
 
 def test_remove_stale_clears_only_dead_writers(tmp_path):
-    """Staging folders of dead processes go; a folder set aside by one goes where its replacement arrived, and comes
-    back where it did not; a live process's are kept (this one's), as are other files."""
-    dead = dead_pid()
-    for name in (f".a.incomplete-{dead}-x1", f".b.incomplete-{dead}", f".c.replaced-{dead}-x2",
-                 f".d.replaced-{dead}-x3", f".e.incomplete-{os.getpid()}-x4", "c", ".hidden"):
+    """Staging folders of dead processes go (of this machine, or named by an older version without one); a folder
+    set aside by one goes where its replacement arrived, and comes back where it did not; a live process's are kept
+    (this one's), as are another machine's (a shared filesystem) and other files."""
+    dead, other_host = dead_pid(), "0" * 8 if HOST != "0" * 8 else "1" * 8
+    kept = [f".e.incomplete-{os.getpid()}.{HOST}-x4", f".f.incomplete-{dead}.{other_host}-x5", ".hidden", "c"]
+    for name in (f".a.incomplete-{dead}.{HOST}-x1", f".b.incomplete-{dead}", f".c.replaced-{dead}.{HOST}-x2",
+                 f".d.replaced-{dead}-x3", *kept):
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_text(name)
     done = remove_stale(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [".e.incomplete-" + f"{os.getpid()}-x4", ".hidden", "c", "d"], done
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "d"]), done
     assert (tmp_path / "d" / "f").read_text() == f".d.replaced-{dead}-x3", "the old folder is back in place"
     assert (tmp_path / "c" / "f").read_text() == "c", "the new folder stays"
     assert f"restored {tmp_path / 'd'}" in done and len(done) == 4, done
@@ -293,8 +296,8 @@ def test_kill_during_saves_then_resume(tmp_path):
 
     killed = cli([*RUN, "--output", "runs/r", "--resume"], tmp_path, kill_at="replaced:r")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert re.search(r"^diff-transformer train: removed runs/r/\.checkpoint-4\.incomplete-\d+-\w+, left by a "
-                     r"killed run$", killed.stdout, re.MULTILINE), killed.stdout
+    assert re.search(r"^diff-transformer train: removed runs/r/\.checkpoint-4\.incomplete-\d+\.[0-9a-f]{8}-\w+, left "
+                     r"by a killed run$", killed.stdout, re.MULTILINE), killed.stdout
     assert "resuming from runs/r/checkpoint-2 (step 2)\n" in killed.stdout, killed.stdout
     assert "trained steps 3-6 in " in killed.stdout and "missing keys" not in killed.stdout + killed.stderr
     assert not (runs / "r").exists() and len(siblings(runs)) == 2, os.listdir(runs)

@@ -1,25 +1,27 @@
 """The one way every command writes a folder or a file: complete or absent, never half-written, never over what a
 user has without --overwrite, never into its own input.
 
-A folder is written into a fresh private staging folder beside its target (`.NAME.incomplete-PID-XXXXXXXX`, made by
-`tempfile.mkdtemp`: unpredictable, mode 0700 while written), its files and the folder are fsynced, and only then is
-it renamed into place; an existing target (replaced only where the caller allows it) is first renamed aside
-(`.NAME.replaced-PID-XXXXXXXX`) and deleted after. So at every moment the target is the old folder or the new one. A
-process killed part-way leaves such a sibling; `remove_stale` deletes those of dead processes on the next run (and
-puts an old folder that was renamed aside back where the new one never arrived). A write that fails for lack of room
-(ENOSPC, EDQUOT, EFBIG, or the same error inside safetensors' or torch's writers) removes what it wrote and becomes
-one `WriteError` line naming the target and the space it needs.
+A folder is written into a fresh private staging folder beside its target (`.NAME.incomplete-PID.HOST-XXXXXXXX`,
+made by `tempfile.mkdtemp`: unpredictable, mode 0700 while written), its files and the folder are fsynced, and only
+then is it renamed into place; an existing target (replaced only where the caller allows it) is first renamed aside
+(`.NAME.replaced-PID.HOST-XXXXXXXX`) and deleted after. So at every moment the target is the old folder or the new
+one. A process killed part-way leaves such a sibling; `remove_stale` deletes those of dead processes of this machine
+on the next run (and puts an old folder that was renamed aside back where the new one never arrived). A write that
+fails for lack of room (ENOSPC, EDQUOT, EFBIG, or the same error inside safetensors' or torch's writers) removes what
+it wrote and becomes one `WriteError` line naming the target and the space it needs.
 
 Standard library only: the command line checks targets and checkpoints with it before importing torch. Tooling,
 not part of a saved folder.
 """
 
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
@@ -27,8 +29,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STAGING, REPLACED = "incomplete", "replaced"
-# `.NAME.incomplete-PID-XXXXXXXX` (and the `-XXXXXXXX`-less names of older versions): what a writer leaves
-SIBLING = re.compile(rf"\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED})-(?P<pid>\d+)(-[^/]*)?")
+# `.NAME.incomplete-PID.HOST-XXXXXXXX` (and the `-PID` alone of older versions): what a writer leaves. HOST, a hash
+# of the machine's name, keeps a run from taking a live run's folder on another machine (a shared filesystem) for a
+# dead one's.
+SIBLING = re.compile(rf"\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED})-(?P<pid>\d+)(\.(?P<host>[0-9a-f]{{8}}))?(-.*)?")
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # a full disk, a quota, a file size limit
 # what torch's file writer raises when a write fails (it does not keep the OS error)
 TORCH_WRITE_FAILED = r"PytorchStreamWriter|inline_container|file write failed|basic_ios::clear: iostream error"
@@ -51,10 +56,15 @@ def kill_point(point: str, target: Path) -> None:
 
 
 def private_folder(target: Path, kind: str) -> Path:
-    """A fresh, empty folder beside `target` that only this process can enter, named after it, this process's id
-    and a random part: `.NAME.KIND-PID-XXXXXXXX`."""
+    """A fresh, empty folder beside `target` that only this process can enter, named after it, this process and
+    machine (`writer_id`) and a random part: `.NAME.KIND-PID.HOST-XXXXXXXX`."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-{os.getpid()}-", dir=target.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-{writer_id()}-", dir=target.parent))
+
+
+def writer_id() -> str:
+    """This process, as a staging name records it: PID.HOST."""
+    return f"{os.getpid()}.{HOST}"
 
 
 def process_alive(pid: int) -> bool:
@@ -77,7 +87,7 @@ def remove_stale(folder: Path) -> list[str]:
     done = []
     for entry in sorted(folder.iterdir()):
         match = SIBLING.fullmatch(entry.name)
-        if match is None or process_alive(int(match["pid"])):
+        if match is None or match["host"] not in (None, HOST) or process_alive(int(match["pid"])):
             continue
         original = folder / match["name"]
         if match["kind"] == REPLACED and not original.exists():
@@ -211,12 +221,12 @@ def staged_folder(target: Path, replace: bool = False, needed: int | Callable[[]
 def write_file(path: Path, write: Callable[[Path], object], replace: bool = True,
                hint: str = "free some space, or choose another folder") -> bool:
     """Write the file `path` whole or not at all: `write(staged_path)` writes a private staging file beside it
-    (`.NAME.incomplete-PID-XXXXXXXX.SUFFIX`, with `path`'s suffix for writers that read it), which is fsynced and
+    (`.NAME.incomplete-PID.HOST-XXXXXXXX.SUFFIX`, with `path`'s suffix for writers that read it), which is fsynced and
     renamed over `path` (an existing one only with `replace`); where `write` returns False, nothing is written. A
     write that runs out of room: a `WriteError`, and nothing left behind. Whether `path` was written."""
     shown, path = Path(path), Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.{STAGING}-{os.getpid()}-", suffix=path.suffix,
+    descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.{STAGING}-{writer_id()}-", suffix=path.suffix,
                                         dir=path.parent)
     os.close(descriptor)
     staged = Path(name)
