@@ -398,3 +398,30 @@ def test_checkpoints_of_a_text_run_hold_its_tokenizer_and_data(tmp_path, shakesp
     assert ("skipping runs/t/checkpoint-3: it has no model.safetensors (incomplete)\nresuming from "
             "runs/t/checkpoint-1 (step 1)\n") in resumed.stdout, resumed.stdout
     assert "trained steps 2-2 in " in resumed.stdout, resumed.stdout
+
+
+@pytest.mark.slow
+def test_kill_as_a_checkpoint_write_starts_then_resume(tmp_path):
+    """No hook: kill -9 the moment the second checkpoint's folder (or its staging folder) appears, as a user's kill
+    lands mid-write. --resume continues from the first checkpoint, the one complete (before: it took the half one
+    and refused, "Can't find a valid checkpoint")."""
+    run = [*RUN, "--save-steps", "1", "--output", "runs/k"]
+    folder = tmp_path / "runs" / "k"
+    process = subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *run], cwd=tmp_path,
+                               env=cli_process_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        while process.poll() is None:
+            names = os.listdir(folder) if folder.is_dir() else []
+            if any(re.search(r"checkpoint-2\b", name) for name in names):
+                process.kill()
+                break
+        process.wait(timeout=TIMEOUT)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGKILL, "the run ended before its second checkpoint"
+    resumed = cli([*run, "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    found = re.search(r"^resuming from runs/k/checkpoint-([12]) \(step \1\)$", resumed.stdout, re.MULTILINE)
+    assert found and f"trained steps {int(found[1]) + 1}-6 in " in resumed.stdout, resumed.stdout
+    assert siblings(tmp_path / "runs") == [] and (folder / "config.json").is_file()
