@@ -442,6 +442,9 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                                    "--output {d}/unfinished holds checkpoints of an unfinished run (the last: "
                                    "checkpoint-12); pass --resume to continue it, or --overwrite to start a new run",
                                    None),
+    "data-inside-output": (["train", "--data", "{d}/model/corpus.txt", "--output", "{d}/model", "--overwrite"],
+                           "--output {d}/model holds the --data file {d}/model/corpus.txt, and the model replaces the "
+                           "folder whole; choose another --output", None),
 }
 
 
@@ -456,6 +459,7 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
     (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
+    shutil.copyfile(root / "corpus.txt", root / "model" / "corpus.txt")
     lora = get_peft_model(DiffForCausalLM.from_pretrained(root / "model"), LoraConfig(r=2))
     lora.save_pretrained(root / "adapter")  # the adapter only, with the base model's path
     for step in (3, 12):  # by step, not by name
