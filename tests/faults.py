@@ -31,6 +31,8 @@ COMMON = "diff_transformer/kernel_common.py"
 TILED = "diff_transformer/kernel_tiled.py"
 FLASH = "diff_transformer/kernel_diff_flash.py"
 MOTIF = "diff_transformer/tools/motif.py"
+TRAINER = "diff_transformer/tools/training.py"
+SAFE_WRITE = "diff_transformer/tools/safe_write.py"
 
 # Test files by what they exercise, most sensitive (and fastest) first.
 LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
@@ -141,6 +143,16 @@ FAULTS = [
           "        self.gradient_checkpointing = False\n        self.post_init()\n\n    # LlamaModel's forward",
           "        self.post_init()\n\n    # LlamaModel's forward",
           ["tests/test_modeling.py::test_classes_hold_what_their_llama_parent_builds"]),
+    Fault("checkpoints written in place", TRAINER,
+          "            self.staging = str(folder.parent)\n",
+          "            self.staging = None\n",
+          ["tests/test_safe_writes.py::test_full_disk_during_a_checkpoint_is_one_line"]),
+    Fault("a failed write leaves its staging folder", SAFE_WRITE,
+          "        size = max(needed() if callable(needed) else needed, folder_bytes(private))\n"
+          "        shutil.rmtree(private, ignore_errors=True)\n",
+          "        size = max(needed() if callable(needed) else needed, folder_bytes(private))\n"
+          "        private = private.with_name(private.name + '-kept')\n",
+          ["tests/test_safe_writes.py::test_a_full_disk_is_one_line_and_leaves_nothing"]),
     Fault("per-layer lambda_init in the layer repr", LAMBDA,
           'return f"head_dim={self.q1.numel()}"',
           'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
