@@ -82,6 +82,17 @@ def cpu_thread_binding(ranks: int, cores: list[int]) -> str:
     return "|".join(",".join(map(str, cores[rank * per_rank : (rank + 1) * per_rank])) for rank in range(ranks))
 
 
+def cpu_environment(args: argparse.Namespace, options: argparse.Namespace, env: dict[str, str],
+                    cores: list[int]) -> dict[str, str]:
+    """`env` with what vLLM's CPU build needs and the user has not set: the KV-cache size, and with several ranks
+    one group of `cores` per rank (vLLM's default binds ranks to NUMA nodes, one per rank)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), **env}
+    ranks = math.prod(parallel_sizes(args, options).values())
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks, cores)
+    return env
+
+
 def platform_is_cpu() -> bool:
     try:
         from vllm.platforms import current_platform
@@ -148,12 +159,7 @@ def serve(args: argparse.Namespace) -> None:
         print(f"note: {args.model} has no chat template: /v1/chat/completions will answer that it needs one; "
               f"to add one, {ADD_CHAT_TEMPLATE}", file=sys.stderr, flush=True)
         chat_template = NO_CHAT_TEMPLATE
-    env = dict(os.environ)
-    if cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-        ranks = math.prod(parallel_sizes(args, options).values())
-        if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:  # vLLM's default binds by NUMA node
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks, list(os.sched_getaffinity(0)))
+    env = cpu_environment(args, options, dict(os.environ), list(os.sched_getaffinity(0))) if cpu else dict(os.environ)
     command = server_command(args, dtype, chat_template)
     print(f"starting: {shlex.join(command)}", flush=True)
     os.execve(command[0], command, env)

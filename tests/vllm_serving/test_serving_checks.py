@@ -174,6 +174,22 @@ def test_cpu_thread_binding_gives_each_rank_its_cores(ranks, cores, binding):
     assert server.cpu_thread_binding(ranks, cores) == binding
 
 
+@pytest.mark.parametrize("options, env, binding", [
+    (["--tensor-parallel-size", "2"], {}, "0|1"),
+    (["--vllm-args=--pipeline-parallel-size 2"], {}, "0|1"),
+    (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "1|0"}, "1|0"),  # the user's, kept
+    ([], {}, None),  # one process: vLLM's own default
+])
+def test_serve_binds_one_rank_per_core_unless_told(two_kv_heads, options, env, binding):
+    """The environment `serve` hands vLLM's CPU build: the KV-cache size and, with several ranks and no binding of
+    the user's, one core group per rank."""
+    args = serve_args(two_kv_heads, "--kv-cache-gib", "2", *options)
+    _, vllm_options = server.check_request(args, cpu=True)
+    served = server.cpu_environment(args, vllm_options, {"PATH": "/bin", **env}, [0, 1])
+    assert served.get("VLLM_CPU_OMP_THREADS_BIND") == binding
+    assert served["VLLM_CPU_KVCACHE_SPACE"] == "2" and served["PATH"] == "/bin"
+
+
 def test_cpu_thread_binding_refuses_more_ranks_than_cores():
     with pytest.raises(ValueError, match="4 ranks .*need a core each.*may run on 2; serve with fewer ranks"):
         server.cpu_thread_binding(4, [0, 1])
