@@ -161,8 +161,8 @@ def gqa_engine(tmp_path_factory):
 
 
 def check_case(case: str, folder: Path, llm, long: list[int] = LONG, shared: list[int] = LONG_SHARED) -> None:
-    """Short prompts and the `long` one in one batch, then the `shared` one sharing its first 3 blocks:
-    transformers' greedy tokens and logprobs in fp32, and a prefix-cache hit of their common full blocks."""
+    """Short prompts and the `long` one in one batch, then `shared`, which starts as `long` does: transformers'
+    greedy tokens and logprobs in fp32, and a prefix-cache hit of their common full blocks."""
     first = vllm_greedy(llm, PROMPTS + [long], NEW_TOKENS)
     second = vllm_greedy(llm, [shared], NEW_TOKENS)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
