@@ -336,10 +336,15 @@ def parallel_folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def rank_per_core(monkeypatch):
-    """Both ranks' processes pinned one per core, as `serve` pins them (`server.cpu_thread_binding`)."""
+    """Both ranks' processes pinned one per core, as `serve` pins them (`server.cpu_thread_binding`). An engine
+    started in this process makes vLLM cache its environment variables; the cache is dropped on both sides."""
     from diff_transformer.serving.server import cpu_thread_binding
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(2, list(os.sched_getaffinity(0))))
+    vllm.envs.disable_envs_cache()
+    yield
+    monkeypatch.undo()
+    vllm.envs.disable_envs_cache()
 
 
 # each engine costs about a minute of CI's 2 cores (a process per rank, each importing vLLM; PP compiles): pipeline
