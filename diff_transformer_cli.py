@@ -616,6 +616,10 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="KV-cache size in GiB on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE; GPUs size it)")
     parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                        help="ranks each layer is sharded over (vLLM's; 1 or 2 verified, docs/serving.md)")
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
+                        help="stages the layers are split into (vLLM's; 1 or 2 verified)")
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
     parser.verbatim_options = ("--vllm-args",)

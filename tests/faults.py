@@ -9,10 +9,12 @@ line of that copy's package (the text it replaces must occur exactly once, so a 
 when the code moves), runs pytest on the copy with `-x` over the test files where the faulty code runs, most
 sensitive first, so that the run stops at the first test that catches it, prints that test's node id, and restores
 the line. The working tree is never edited. Tests run under the default selection
-(`-m 'not slow and not gpu and not rehearsal'`).
+(`-m 'not slow and not gpu and not rehearsal'`). The faults of the vLLM plugin need vLLM's CPU build: under a venv
+without vLLM they are skipped, saying so; run them in the venv `bash .ci/run vllm` builds.
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -33,6 +35,7 @@ FLASH = "diff_transformer/kernel_diff_flash.py"
 MOTIF = "diff_transformer/tools/motif.py"
 TRAINER = "diff_transformer/tools/training.py"
 SAFE_WRITE = "diff_transformer/tools/safe_write.py"
+VLLM_MODEL = "diff_transformer/serving/vllm_model.py"
 
 # Test files by what they exercise, most sensitive (and fastest) first.
 LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
@@ -47,6 +50,8 @@ DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward"
 TRAINING = ["tests/test_training.py::test_trainer_gradients_equal_a_plain_backward"]
 GDA = ["tests/test_gda.py::test_kernel_matches_reference"]
 MOTIF_LOGITS = ["tests/test_motif.py::test_logits_match_the_float64_reference"]
+# vLLM's CPU build serving over 2 ranks (about a minute each; run in the venv `bash .ci/run vllm` builds)
+VLLM_TP = "tests/vllm_serving/test_vllm_serving.py::test_parallel_engine_matches_transformers"
 
 
 class Fault(NamedTuple):
@@ -55,6 +60,7 @@ class Fault(NamedTuple):
     old: str  # text that occurs exactly once in that file
     new: str
     tests: list[str]  # pytest arguments, run with -x in this order
+    needs: str | None = None  # a module the tests need: without it the fault is skipped, saying so
 
 
 FAULTS = [
@@ -166,6 +172,16 @@ FAULTS = [
           "q2.repeat_interleave(group, dim=1)", "q2.repeat(1, group, 1, 1)", GDA),
     Fault("GDA converter: noise rows of the wrong group", MOTIF,
           "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
+    Fault("vLLM TP: a differential pair split across ranks", VLLM_MODEL,
+          "            return branch_halves_rank_major(rows, self.ranks)\n        if projection == \"k_proj\"",
+          "            return rows\n        if projection == \"k_proj\"", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
+    Fault("vLLM TP: lambda from one rank's slice", VLLM_MODEL,
+          "self.lam = compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init)",
+          "self.lam = compute_lambda(*(x[: self.d // self.ranks] for x in (p.q1, p.k1, p.q2, p.k2)), "
+          "self.lambda_init)", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
+    Fault("vLLM TP: PolyNorm without the all-reduce", VLLM_MODEL,
+          "squares = tensor_model_parallel_all_reduce(u.pow(2).sum(-1, keepdim=True))",
+          "squares = 2 * u.pow(2).sum(-1, keepdim=True)", [f"{VLLM_TP}[motif-tp2]"], "vllm"),
 ]
 
 
@@ -220,19 +236,24 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown fault(s) {sorted(unknown)}; see --list")
     faults = [fault for fault in FAULTS if not args.names or fault.name in args.names]
-    missed = []
+    missed, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="diff-faults-") as tmp:
         copy = Path(tmp) / "repo"
         copy_repository(copy)
         check_copy_is_imported(copy)
         print(f"{'fault':44} {'seconds':>7}  caught by")
         for fault in faults:
+            if fault.needs and importlib.util.find_spec(fault.needs) is None:
+                print(f"{fault.name:44} {'-':>7}  skipped: needs {fault.needs} (run in its venv)", flush=True)
+                skipped.append(fault.name)
+                continue
             node, seconds, tail = run_fault(fault, copy, args.timeout)
             print(f"{fault.name:44} {seconds:7.0f}  {node or 'NOT CAUGHT'}", flush=True)
             if node is None:
                 missed.append(fault.name)
                 print(tail, file=sys.stderr)
-    print(f"{len(faults) - len(missed)} of {len(faults)} faults caught")
+    ran = len(faults) - len(skipped)
+    print(f"{ran - len(missed)} of {ran} faults caught" + (f", {len(skipped)} skipped" if skipped else ""))
     return 1 if missed else 0
 
 

@@ -81,6 +81,8 @@ BLOCKS = {
     "diff-transformer serve FOLDER --port 8000": SKIP + "needs vLLM's CUDA build and a GPU",
     "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm_serving serves a "
     "trained folder this way (bash .ci/run vllm)",
+    "diff-transformer serve FOLDER --tensor-parallel-size 2": SKIP + "needs vLLM's build and 2 cores or devices: "
+    "tests/vllm_serving serves with 2 tensor- and 2 pipeline-parallel ranks (bash .ci/run vllm)",
     "diff-transformer attention-noise out/my-model": "slow",
     "--output docs/images/attention_noise": SKIP + "writes the committed example into docs/images; "
     "tests/test_plots.py runs this command's evaluation and checks it against the committed table",

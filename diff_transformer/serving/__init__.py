@@ -35,20 +35,22 @@ def register() -> None:
 class EngineConfigCheck:
     """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP`), which vLLM runs in the calling process when it
     builds the engine's config: what the model would refuse in the engine's worker (parallelism, config fields, head
-    sizes) and LoRA, refused here, before any engine process starts; on a GPU, a warning when vLLM will not run
-    these heads with FlashAttention, and an error when the chosen --attention-backend cannot run them."""
+    sizes), pipeline parallelism in eager mode on the CPU build, and LoRA, refused here, before any engine process
+    starts; on a GPU, a warning when vLLM will not run these heads with FlashAttention, and an error when the chosen
+    --attention-backend cannot run them."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         from vllm.platforms import current_platform
 
-        from .layout import MERGE_ADVICE, check_servable, gpu_backend_note, gpu_widths
+        from .layout import MERGE_ADVICE, check_pipeline_mode, check_servable, gpu_backend_note, gpu_widths
 
         if vllm_config.lora_config is not None:
             raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
         parallel, config = vllm_config.parallel_config, vllm_config.model_config.hf_config
         cpu = current_platform.is_cpu()
         check_servable(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, cpu)
+        check_pipeline_mode(parallel.pipeline_parallel_size, vllm_config.model_config.enforce_eager, cpu)
         if not cpu:  # the CUDA attention backend vLLM will pick, or refuse an unfit choice
             selected = getattr(vllm_config.attention_config.backend, "name", None)
             dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")

@@ -6,8 +6,10 @@ from ..saved_folder import check_model_type
 
 # The head sizes vLLM 0.32's CPU attention (CPU_ATTN) computes; it takes no other and ignores `head_size_v`.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# What was verified (tests/vllm_serving): one process. Tensor and pipeline parallelism are refused until tested.
-VERIFIED_TP_SIZES = (1,)
+# What was verified (tests/vllm_serving, vLLM's CPU build, one process per rank): tensor parallelism over 2 ranks
+# and pipeline parallelism over 2 stages, each alone; other sizes and both at once are refused until tested.
+VERIFIED_TP_SIZES = (1, 2)
+VERIFIED_PP_SIZES = (1, 2)
 # vLLM 0.32's CUDA attention backends in its order of preference (platforms/cuda.py, below SM100), and the head
 # widths and dtypes each declares it takes (`supports_head_size`, `supported_dtypes` in v1/attention/backends/).
 # FlashAttention 4 (Blackwell) also takes widths up to 512; FlashInfer needs its package, Hopper+ for some paths.
@@ -120,6 +122,31 @@ def gpu_backend_note(widths: dict[str, int], dtype: str, selected: str | None = 
             f"among {', '.join(fits)}); head_dim 16-128 with bf16 keeps FlashAttention")
 
 
+def check_parallelism(config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse parallel sizes not verified (`VERIFIED_TP_SIZES`, `VERIFIED_PP_SIZES`, not both above 1), and a
+    tensor-parallel size that does not divide the kv heads (each rank holds whole kv heads with their query heads;
+    vLLM's replication of kv heads over more ranks is not written for differential layers)."""
+    sizes = f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size={pipeline_parallel_size}"
+    if (tensor_parallel_size not in VERIFIED_TP_SIZES or pipeline_parallel_size not in VERIFIED_PP_SIZES
+            or min(tensor_parallel_size, pipeline_parallel_size) > 1):
+        tp, pp = (" or ".join(map(str, verified)) for verified in (VERIFIED_TP_SIZES, VERIFIED_PP_SIZES))
+        raise ValueError(f"{sizes}: DIFF models under vLLM are verified with tensor_parallel_size {tp}, or "
+                         f"pipeline_parallel_size {pp}, not both above 1 (docs/serving.md); serve with one of those")
+    if config.num_key_value_heads % tensor_parallel_size:
+        raise ValueError(f"{sizes}: tensor parallelism needs num_key_value_heads ({config.num_key_value_heads}) "
+                         "divisible by tensor_parallel_size, each rank holding whole kv heads; serve with a "
+                         f"tensor_parallel_size that divides {config.num_key_value_heads}")
+
+
+def check_pipeline_mode(pipeline_parallel_size: int, enforce_eager: bool, cpu: bool) -> None:
+    """Refuse pipeline parallelism in eager mode on vLLM's CPU build: vLLM 0.32's CPU runner allocates a later
+    stage's input buffers only while warming up the compiled model, so its first step fails (a Llama too)."""
+    if cpu and enforce_eager and pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} with enforce_eager on vLLM's CPU build: "
+                         "vLLM 0.32 fails there on its first step (its CPU runner sets up a later stage's inputs only "
+                         "when compiling); drop --enforce-eager / enforce_eager=True")
+
+
 def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    cpu: bool = True) -> dict[str, int]:
     """Raise a one-line `ValueError` naming the fix for a config this mapping would serve wrongly or untested;
@@ -127,14 +154,7 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
     check_model_type({"model_type": getattr(config, "model_type", None)}, getattr(config, "name_or_path", "") or
                      "this config")
     check_fields(config.to_dict())
-    if config.hidden_act == "poly_norm" and tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: PolyNorm (hidden_act='poly_norm') "
-                         "normalises over the whole MLP width, which tensor parallelism would shard; serve with "
-                         "tensor_parallel_size=1")
-    if tensor_parallel_size not in VERIFIED_TP_SIZES or pipeline_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
-                         f"{pipeline_parallel_size}: only one process is verified for DIFF models under vLLM "
-                         "(docs/serving.md); serve with tensor_parallel_size=1 and pipeline_parallel_size=1")
+    check_parallelism(config, tensor_parallel_size, pipeline_parallel_size)
     if getattr(config, "num_noise_heads", None) not in (None, config.num_attention_heads):
         raise ValueError(f"num_noise_heads={config.num_noise_heads}: the DIFF vLLM model does not compute grouped "
                          "noise heads (GDA) yet; serve with transformers, or convert the source again with "

@@ -3,6 +3,7 @@ folder, after the checks that turn a bad folder into one line instead of a serve
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -47,13 +48,49 @@ def has_chat_template(folder: str) -> bool:
 def vllm_options(vllm_args: list[str]) -> argparse.Namespace:
     """The options of `--vllm-args` that `serve` checks before the server starts (vLLM's spellings)."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int)
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--lora-modules", nargs="*")
     parser.add_argument("--attention-backend")
     parser.add_argument("--chat-template")
     return parser.parse_known_args([arg.replace("_", "-") if arg.startswith("--") else arg for arg in vllm_args])[0]
+
+
+def parallel_sizes(args: argparse.Namespace, options: argparse.Namespace) -> dict[str, int]:
+    """{"tensor_parallel_size": N, "pipeline_parallel_size": M}: `serve`'s options, or `--vllm-args`' when those
+    say them; one size given both ways is refused."""
+    sizes = {}
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        ours, theirs = getattr(args, name), getattr(options, name)
+        if theirs is not None and ours != 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is given twice, as serve's option and in --vllm-args; give it once")
+        sizes[name] = theirs if theirs is not None else ours
+    return sizes
+
+
+def cpu_thread_binding(ranks: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` processes of vLLM's CPU build: the cores this process may run on
+    (`cores`) split into `ranks` groups of consecutive cores, one per rank ("0|1", "0,1,2,3|4,5,6,7"); the cores
+    left over when they do not split evenly stay unused."""
+    if len(cores) < ranks:
+        raise ValueError(f"{ranks} ranks (tensor x pipeline parallel size) need a core each on vLLM's CPU build, and "
+                         f"this process may run on {len(cores)}; serve with fewer ranks or set "
+                         "VLLM_CPU_OMP_THREADS_BIND yourself")
+    per_rank, cores = len(cores) // ranks, sorted(cores)
+    return "|".join(",".join(map(str, cores[rank * per_rank : (rank + 1) * per_rank])) for rank in range(ranks))
+
+
+def cpu_environment(args: argparse.Namespace, options: argparse.Namespace, env: dict[str, str],
+                    cores: list[int]) -> dict[str, str]:
+    """`env` with what vLLM's CPU build needs and the user has not set: the KV-cache size, and with several ranks
+    one group of `cores` per rank (vLLM's default binds ranks to NUMA nodes, one per rank)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), **env}
+    ranks = math.prod(parallel_sizes(args, options).values())
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks, cores)
+    return env
 
 
 def platform_is_cpu() -> bool:
@@ -87,7 +124,7 @@ def check_request(args: argparse.Namespace, cpu: bool) -> tuple[str, argparse.Na
     options = vllm_options(shlex.split(args.vllm_args))
     if options.enable_lora or options.lora_modules:
         raise ValueError(f"LoRA adapters are not served for DIFF models: {MERGE_ADVICE}")
-    check_servable(config, options.tensor_parallel_size, options.pipeline_parallel_size, cpu=cpu)
+    check_servable(config, **parallel_sizes(args, options), cpu=cpu)
     dtype = serving_dtype(args, cpu)
     if not cpu:
         gpu_dtype = {"auto": "float16" if folder_dtype(args.model) == "float16" else "bfloat16",
@@ -107,6 +144,9 @@ def server_command(args: argparse.Namespace, dtype: str | None = None, chat_temp
         command += ["--served-model-name", args.served_model_name]
     if chat_template:
         command += ["--chat-template", chat_template]
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if (size := getattr(args, name)) != 1:
+            command += ["--" + name.replace("_", "-"), str(size)]
     return command + shlex.split(args.vllm_args)
 
 
@@ -119,9 +159,7 @@ def serve(args: argparse.Namespace) -> None:
         print(f"note: {args.model} has no chat template: /v1/chat/completions will answer that it needs one; "
               f"to add one, {ADD_CHAT_TEMPLATE}", file=sys.stderr, flush=True)
         chat_template = NO_CHAT_TEMPLATE
-    env = dict(os.environ)
-    if cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    env = cpu_environment(args, options, dict(os.environ), list(os.sched_getaffinity(0))) if cpu else dict(os.environ)
     command = server_command(args, dtype, chat_template)
     print(f"starting: {shlex.join(command)}", flush=True)
     os.execve(command[0], command, env)

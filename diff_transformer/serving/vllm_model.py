@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.utils import extract_layer_index, is_pp_missing_parameter
 from vllm.platforms import current_platform
 
 from ..diff_tensor_parallel import branch_halves_rank_major
@@ -218,9 +218,23 @@ def build_attention(*, widths: dict[str, int], config, prefix: str, cache_config
     return attention(config, prefix, cache_config, quant_config, widths[kind])
 
 
+class ShardedPolyNorm(PolyNorm):
+    """PolyNorm on one tensor-parallel rank's slice of the MLP width: the mean square of each power is the sum of
+    every rank's sums of squares (an all-reduce) over the whole `width`, so each rank normalises as one process."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def normalized(self, u: torch.Tensor) -> torch.Tensor:
+        squares = tensor_model_parallel_all_reduce(u.pow(2).sum(-1, keepdim=True))  # [T, 1], over all ranks
+        return u * torch.rsqrt(squares / self.width + self.eps)
+
+
 class PolyNormMLP(nn.Module):
     """`down(PolyNorm(gate x) * up x)` with vLLM's fused gate/up GEMM; PolyNorm is the model's own module
-    (modeling_diff.py, fp32), whose norms span the whole intermediate dim: one process only (layout.py)."""
+    (modeling_diff.py, fp32), whose norms span the whole intermediate dim: under tensor parallelism each rank
+    all-reduces the norms' statistics (`ShardedPolyNorm`)."""
 
     def __init__(self, config, quant_config, prefix: str):
         super().__init__()
@@ -229,12 +243,13 @@ class PolyNormMLP(nn.Module):
                                                        prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = PolyNorm()
+        sharded = get_tensor_model_parallel_world_size() > 1
+        self.act_fn = ShardedPolyNorm(config.intermediate_size) if sharded else PolyNorm()
         for parameter in self.act_fn.parameters():
             parameter.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)[0].chunk(2, dim=-1)  # [T, intermediate] each
+        gate, up = self.gate_up_proj(x)[0].chunk(2, dim=-1)  # [T, intermediate / ranks] each
         out, _ = self.down_proj(self.act_fn(gate) * up)
         return out
 
@@ -288,11 +303,14 @@ class DiffForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load our safetensors names: q/k/v into the fused qkv_proj in the rows order each layer
-        kind wants, gate/up into vLLM's fused gate_up_proj; then each attention layer's derived values."""
+        kind wants, gate/up into vLLM's fused gate_up_proj (the layers of this pipeline stage only); then each
+        attention layer's derived values."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if is_pp_missing_parameter(name, self):  # a layer of another pipeline stage
                 continue
             module_name, projection, leaf = (name.rsplit(".", 2) + ["", ""])[:3]
             if projection in QKV_SHARDS and f"{module_name}.qkv_proj.{leaf}" in params:

@@ -19,8 +19,8 @@ WORDS = [f"w{i}" for i in range(40)]
 
 def save_folder(folder: Path, dtype: torch.dtype = torch.float32, **fields) -> Path:
     tok = build_word_tokenizer(WORDS)
-    config = DiffConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=1, head_dim=32, **fields)
+    config = DiffConfig(**{"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                           "num_attention_heads": 1, "head_dim": 32, **fields})
     DiffForCausalLM(config).to(dtype).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -121,16 +121,78 @@ def test_dtype_auto_keeps_the_folders_dtype_on_cpu(folder, tmp_path, capsys):
     assert "--dtype float32 to keep float32" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("vllm_args, message", [
-    ("--tensor-parallel-size 2", "tensor_parallel_size=2.*serve with tensor_parallel_size=1"),
-    ("-tp=2", "tensor_parallel_size=2"),
-    ("--pipeline-parallel-size 2", "pipeline_parallel_size=2"),
-    ("--enable-lora", "LoRA adapters are not served.*merge_and_unload"),
-    ("--lora-modules a=/x", "LoRA adapters are not served"),
+NOT_VERIFIED = "verified with tensor_parallel_size 1 or 2, or pipeline_parallel_size 1 or 2, not both above 1"
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--vllm-args=--tensor-parallel-size 4"], f"tensor_parallel_size=4, pipeline_parallel_size=1: .*{NOT_VERIFIED}"),
+    (["--vllm-args=-tp=4"], "tensor_parallel_size=4"),
+    (["--pipeline-parallel-size", "3"], "pipeline_parallel_size=3: .*serve with one of those"),
+    (["--tensor-parallel-size", "2", "--vllm-args=-pp 2"], "tensor_parallel_size=2, pipeline_parallel_size=2: "),
+    # the folder's one kv head cannot be split over 2 ranks
+    (["--tensor-parallel-size", "2"], "needs num_key_value_heads \\(1\\) divisible by tensor_parallel_size"),
+    (["--tensor-parallel-size", "2", "--vllm-args=-tp 2"], "--tensor-parallel-size is given twice"),
+    (["--vllm-args=--enable-lora"], "LoRA adapters are not served.*merge_and_unload"),
+    (["--vllm-args=--lora-modules a=/x"], "LoRA adapters are not served"),
 ])
-def test_parallelism_and_lora_refused_before_start(folder, vllm_args, message):
+def test_parallelism_and_lora_refused_before_start(folder, options, message):
     with pytest.raises(ValueError, match=message):
-        server.check_request(serve_args(folder, f"--vllm-args={vllm_args}"), cpu=True)
+        server.check_request(serve_args(folder, *options), cpu=True)
+
+
+@pytest.fixture(scope="module")
+def two_kv_heads(tmp_path_factory) -> Path:
+    return save_folder(tmp_path_factory.mktemp("kv2") / "model", hidden_size=128, num_attention_heads=2)
+
+
+@pytest.mark.parametrize("options, sizes, flags", [
+    ([], (1, 1), []),
+    (["--tensor-parallel-size", "2"], (2, 1), ["--tensor-parallel-size", "2"]),
+    (["--pipeline-parallel-size", "2"], (1, 2), ["--pipeline-parallel-size", "2"]),
+    (["--vllm-args=-tp 2"], (2, 1), ["-tp", "2"]),  # vLLM's own spelling, passed on as given
+])
+def test_parallel_sizes_reach_vllm_once(two_kv_heads, options, sizes, flags):
+    """`serve --tensor-parallel-size / --pipeline-parallel-size` (or vLLM's options in --vllm-args) are checked
+    against the folder and given to vLLM's server once."""
+    args = serve_args(two_kv_heads, *options)
+    _, vllm_options = server.check_request(args, cpu=True)
+    assert tuple(server.parallel_sizes(args, vllm_options).values()) == sizes
+    command = server.server_command(args, "float32")
+    assert command[command.index("float32") + 1:] == flags
+
+
+@pytest.mark.parametrize("ranks, cores, binding", [
+    (2, [0, 1], "0|1"),
+    (2, [1, 0], "0|1"),
+    (2, [0, 1, 2, 3, 4, 5, 6, 7], "0,1,2,3|4,5,6,7"),
+    (2, [4, 6, 9], "4|6"),  # an odd core left over
+    (1, [0, 1], "0,1"),
+])
+def test_cpu_thread_binding_gives_each_rank_its_cores(ranks, cores, binding):
+    """VLLM_CPU_OMP_THREADS_BIND as `serve` sets it on the CPU build: disjoint core groups, one per rank (vLLM's
+    own default binds ranks to NUMA nodes, and this machine has one)."""
+    assert server.cpu_thread_binding(ranks, cores) == binding
+
+
+@pytest.mark.parametrize("options, env, binding", [
+    (["--tensor-parallel-size", "2"], {}, "0|1"),
+    (["--vllm-args=--pipeline-parallel-size 2"], {}, "0|1"),
+    (["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "1|0"}, "1|0"),  # the user's, kept
+    ([], {}, None),  # one process: vLLM's own default
+])
+def test_serve_binds_one_rank_per_core_unless_told(two_kv_heads, options, env, binding):
+    """The environment `serve` hands vLLM's CPU build: the KV-cache size and, with several ranks and no binding of
+    the user's, one core group per rank."""
+    args = serve_args(two_kv_heads, "--kv-cache-gib", "2", *options)
+    _, vllm_options = server.check_request(args, cpu=True)
+    served = server.cpu_environment(args, vllm_options, {"PATH": "/bin", **env}, [0, 1])
+    assert served.get("VLLM_CPU_OMP_THREADS_BIND") == binding
+    assert served["VLLM_CPU_KVCACHE_SPACE"] == "2" and served["PATH"] == "/bin"
+
+
+def test_cpu_thread_binding_refuses_more_ranks_than_cores():
+    with pytest.raises(ValueError, match="4 ranks .*need a core each.*may run on 2; serve with fewer ranks"):
+        server.cpu_thread_binding(4, [0, 1])
 
 
 def test_adapter_folder_is_refused_with_merge_advice(tmp_path):
@@ -192,11 +254,10 @@ def test_no_chat_template_message(tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "w1"}], chat_template=server.NO_CHAT_TEMPLATE)
 
 
-def test_poly_norm_serves_on_one_process_only():
-    """PolyNorm normalises over the whole MLP width, which tensor parallelism would shard: refused by name before
-    any engine starts; on one process the folder's head widths come back."""
+def test_poly_norm_serves_on_two_ranks():
+    """PolyNorm normalises over the whole MLP width, which tensor parallelism shards: each rank all-reduces the
+    norms' statistics (vllm_model.ShardedPolyNorm), so 2 ranks pass the checks like one process."""
     config = DiffConfig(hidden_size=128, intermediate_size=192, num_attention_heads=4, head_dim=16,
                         hidden_act="poly_norm", lambda_init_offset=-1)
-    with pytest.raises(ValueError, match="PolyNorm.*tensor_parallel_size=1"):
-        layout.check_servable(config, tensor_parallel_size=2)
+    assert layout.check_servable(config, tensor_parallel_size=2) == layout.check_servable(config)
     assert layout.check_servable(config) == {"differential": 32, "standard": 32}

@@ -1,8 +1,8 @@
 """DIFF Transformer folders served by vLLM (docs/serving.md): offline `LLM.generate` against transformers' greedy
 tokens and logprobs in fp32 (short prompts and one of 4 KV blocks, chunked prefill, a prefix-cache hit, RoPE
-variants), bf16 against transformers' bf16, the OpenAI-compatible server (streaming, concurrent requests), the
-refusals through vLLM and through `serve`. Runs in its own venv with the CPU build (`bash .ci/run vllm`); the
-default suite has no vLLM and skips this module."""
+variants), bf16 against transformers' bf16, tensor and pipeline parallelism over 2 ranks, the OpenAI-compatible
+server (streaming, concurrent requests), the refusals through vLLM and through `serve`. Runs in its own venv with
+the CPU build (`bash .ci/run vllm`); the default suite has no vLLM and skips this module."""
 
 import gc
 import json
@@ -143,7 +143,7 @@ def vllm_greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[tuple[li
 
 
 def new_engine(folder: Path, dtype: str = "float32", **engine) -> "vllm.LLM":
-    return vllm.LLM(str(folder), dtype=dtype, seed=0, enforce_eager=True, **{**ENGINE, **engine})
+    return vllm.LLM(str(folder), dtype=dtype, seed=0, **{"enforce_eager": True, **ENGINE, **engine})
 
 
 def diff_message(name: str, ours: list[float], theirs: list[float], tol: float = LOGPROB_TOL) -> str:
@@ -160,20 +160,22 @@ def gqa_engine(tmp_path_factory):
     shut_down(llm)
 
 
-def check_case(case: str, folder: Path, llm) -> None:
-    """Short prompts and the long one in one batch, then the long one sharing its first 3 blocks: transformers'
-    greedy tokens and logprobs in fp32, and a prefix-cache hit for the second long prompt."""
-    first = vllm_greedy(llm, PROMPTS + [LONG], NEW_TOKENS)
-    second = vllm_greedy(llm, [LONG_SHARED], NEW_TOKENS)
+def check_case(case: str, folder: Path, llm, long: list[int] = LONG, shared: list[int] = LONG_SHARED) -> None:
+    """Short prompts and the `long` one in one batch, then `shared`, which starts as `long` does: transformers'
+    greedy tokens and logprobs in fp32, and a prefix-cache hit of their common full blocks."""
+    first = vllm_greedy(llm, PROMPTS + [long], NEW_TOKENS)
+    second = vllm_greedy(llm, [shared], NEW_TOKENS)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for prompt, (tokens, logprobs, _) in zip(PROMPTS + [LONG, LONG_SHARED], first + second):
+    for prompt, (tokens, logprobs, _) in zip(PROMPTS + [long, shared], first + second):
         hf_tokens, hf_lp = hf_greedy(model, prompt, NEW_TOKENS)
         name = f"{case}, {len(prompt)}-token prompt"
         assert tokens == hf_tokens, f"{name}: vLLM {tokens} != transformers {hf_tokens}; " + diff_message(
             name, logprobs, hf_lp)
         assert max(abs(a - b) for a, b in zip(logprobs, hf_lp)) <= LOGPROB_TOL, diff_message(name, logprobs, hf_lp)
     assert len({tuple(t) for t, _, _ in first}) > 1, f"{case}: every prompt gave the same tokens; a weak test model"
-    assert second[0][2] == 3 * BLOCK, f"{case}: {second[0][2]} prompt tokens came from the prefix cache, not 96"
+    common = next(i for i, (a, b) in enumerate(zip(long, shared)) if a != b)
+    hit = common // BLOCK * BLOCK  # the full blocks the two prompts share
+    assert second[0][2] == hit, f"{case}: {second[0][2]} prompt tokens came from the prefix cache, not {hit}"
 
 
 def test_v1_gqa_matches_transformers(gqa_engine):
@@ -190,9 +192,9 @@ def test_offline_generate_matches_transformers(case, tmp_path):
         shut_down(llm)
 
 
-def test_converted_motif_folder_matches_transformers(tmp_path):
+def motif_folder(root: Path) -> Path:
     """A Motif-2.6B-format folder (PolyNorm MLP with biases, GQA after the pairing, lambda_init offset -1, its own
-    SubLN epsilon, untied head) converted by `diff-transformer convert`, served as any DIFF folder."""
+    SubLN epsilon, untied head) converted by `diff-transformer convert` into `root / "diff"`."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from helpers.motif_format import BASE, random_weights, write_motif_folder
 
@@ -202,12 +204,18 @@ def test_converted_motif_folder_matches_transformers(tmp_path):
     fields = {**BASE, "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256, "use_bias": True,
               "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
-    source = write_motif_folder(tmp_path / "motif", fields, random_weights(fields, seed=1))
+    source = write_motif_folder(root / "motif", fields, random_weights(fields, seed=1))
     tok.save_pretrained(source)
-    convert_motif(source, tmp_path / "diff")
-    llm = new_engine(tmp_path / "diff")
+    convert_motif(source, root / "diff")
+    return root / "diff"
+
+
+def test_converted_motif_folder_matches_transformers(tmp_path):
+    """A converted Motif folder served as any DIFF folder."""
+    folder = motif_folder(tmp_path)
+    llm = new_engine(folder)
     try:
-        check_case("motif", tmp_path / "diff", llm)
+        check_case("motif", folder, llm)
     finally:
         shut_down(llm)
 
@@ -263,8 +271,10 @@ def test_unimplemented_fields_refused_by_vllm(gqa_engine, tmp_path):
 
 
 @pytest.mark.parametrize("engine, message", [
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-     "tensor_parallel_size=2.*serve with tensor_parallel_size=1"),
+    ({"tensor_parallel_size": 4, "distributed_executor_backend": "mp"},
+     "tensor_parallel_size=4.*verified with tensor_parallel_size 1 or 2"),
+    ({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},  # new_engine's default: eager
+     "pipeline_parallel_size=2 with enforce_eager on vLLM's CPU build.*drop --enforce-eager"),
     ({"enable_lora": True}, "LoRA adapters are not served for DIFF models.*merge_and_unload"),
 ])
 def test_parallelism_and_lora_refused_before_the_engine(gqa_engine, engine, message):
@@ -303,6 +313,57 @@ def test_gpu_backend_table_is_vllms():
         assert {str(t).removeprefix("torch.") for t in backend.supported_dtypes} == set(dtypes), name
 
 
+# Tensor and pipeline parallelism over 2 ranks, one process per rank (vLLM's CPU build runs them with its mp
+# executor), one rank per core as `serve` binds them. One folder per layout: V1 MHA in a hybrid stack (standard
+# layers between differential ones), V2 GQA, and a converted Motif folder (V1 GQA, PolyNorm MLP whose norms span the
+# sharded MLP width, untied head); prompts to 171 tokens (6 blocks, 6 prefill chunks) and a 5-block cache hit.
+LONGEST = [1] + torch.randint(3, len(WORDS), (170,), generator=torch.Generator().manual_seed(11)).tolist()
+LONGEST_SHARED = LONGEST[:160] + [5, 6, 7, 8, 9, 50]
+PARALLEL_CASES = {
+    "hybrid_v1_mha": {"num_attention_heads": 2, "num_hidden_layers": 3,
+                      "attention_types": ["differential", "standard", "differential"]},
+    "v2_gqa": CASES["v2_gqa"],
+}
+PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+@pytest.fixture(scope="module")
+def parallel_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parallel")
+    folders = {name: save_folder(root / name, seed=3, **fields) for name, fields in PARALLEL_CASES.items()}
+    return folders | {"motif": motif_folder(root)}
+
+
+@pytest.fixture
+def rank_per_core(monkeypatch):
+    """Both ranks' processes pinned one per core, as `serve` pins them (`server.cpu_thread_binding`). An engine
+    started in this process makes vLLM cache its environment variables; the cache is dropped on both sides."""
+    from diff_transformer.serving.server import cpu_thread_binding
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(2, list(os.sched_getaffinity(0))))
+    vllm.envs.disable_envs_cache()
+    yield
+    monkeypatch.undo()
+    vllm.envs.disable_envs_cache()
+
+
+# each engine costs about a minute of CI's 2 cores (a process per rank, each importing vLLM; PP compiles): pipeline
+# parallelism runs on the hybrid stack only, whose layer kinds each stage must take by their global index (the
+# Motif folder's PP 2, its untied head on the last stage, gave transformers' tokens too, docs/serving.md)
+@pytest.mark.parametrize("case, parallel", [("hybrid_v1_mha", "tp2"), ("v2_gqa", "tp2"), ("motif", "tp2"),
+                                            ("hybrid_v1_mha", "pp2")])
+def test_parallel_engine_matches_transformers(parallel_folders, rank_per_core, case, parallel):
+    """Two ranks: transformers' greedy tokens and logprobs (fp32, within LOGPROB_TOL), chunked prefill and a
+    prefix-cache hit, as one process gives them (check_case). Pipeline parallelism runs compiled: vLLM's CPU build
+    fails in eager mode (layout.check_pipeline_mode)."""
+    folder = parallel_folders[case]
+    llm = new_engine(folder, distributed_executor_backend="mp", **PARALLEL[parallel], enforce_eager=parallel != "pp2")
+    try:
+        check_case(f"{case}, {parallel}", folder, llm, LONGEST, LONGEST_SHARED)
+    finally:
+        shut_down(llm)
+
+
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diff_transformer_cli", *argv], capture_output=True, text=True,
                           timeout=120)
@@ -311,7 +372,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("problem, options", [
     ("missing", ()), ("no_config", ()), ("llama", ()), ("cpu_head_size", ()),
     ("sliding_window", ("--vllm-args", "--enable-lora")),  # the first refusal: the config field
-    ("ok", ("--vllm-args", "--tensor-parallel-size 2")),
+    ("ok", ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")),  # not verified together
 ])
 def test_bad_folder_gives_one_line_error(problem, options, tmp_path):
     """`serve` refuses before vLLM starts: one line on stderr, exit status 2 (the other refusals of `serve`, by
