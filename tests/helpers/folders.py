@@ -23,3 +23,12 @@ def save_tiny_folder(path: Path) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def sha256s(folder: Path) -> dict[str, str]:
+    """The sha256 of every file under `folder`, by its path relative to it: what a refused command must leave as it
+    was."""
+    import hashlib
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(Path(folder).rglob("*")) if path.is_file()}
