@@ -43,6 +43,34 @@ def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) 
     return generation
 
 
+def given_max_length(args: tuple, kwargs: dict) -> bool:
+    """Whether a `generate(*args, **kwargs)` call sets its own `max_length` and no `max_new_tokens` (lm-eval's
+    `generate_until` does: prompt + the task's tokens), as a keyword or in the `generation_config` it passes."""
+    generation = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    if kwargs.get("max_new_tokens") is not None:
+        return False
+    if kwargs.get("max_length") is not None:
+        return True
+    return generation is not None and generation.max_new_tokens is None and "max_length" in generation.to_diff_dict()
+
+
+@contextmanager
+def callers_length(model: PreTrainedModel, args: tuple, kwargs: dict) -> Iterator[None]:
+    """While `model.generate(*args, **kwargs)` runs: where the call sets its own `max_length` (`given_max_length`),
+    the model's generation config holds no `max_new_tokens` (the default a saved folder carries,
+    `generation_defaults`), which transformers would let override the caller's length; restored afterwards."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None or generation.max_new_tokens is None or not given_max_length(args, kwargs):
+        yield
+        return
+    model.generation_config = copy.deepcopy(generation)
+    model.generation_config.max_new_tokens = None
+    try:
+        yield
+    finally:
+        model.generation_config = generation
+
+
 def full_auto_map(model: PreTrainedModel) -> dict[str, str]:
     """`model.config.auto_map` with every entry of `AUTO_MODEL_CLASSES`, in the module of `model`'s class."""
     module = type(model).__module__.rpartition(".")[2]
