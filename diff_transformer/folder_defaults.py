@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
-from .saved_folder import check_local_path
+from .saved_folder import check_local_path, write_weights_manifest
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -133,8 +133,11 @@ class SavedFolderMixin:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
-        generation within the context) and weights as readable as its other files (`match_weight_file_modes`)."""
+        generation within the context), weights as readable as its other files (`match_weight_file_modes`) and
+        their checksums (`saved_folder.write_weights_manifest`, which the command line verifies when it loads)."""
         with saved_folder_defaults(self):
             result = super().save_pretrained(save_directory, *args, **kwargs)
-        match_weight_file_modes(save_directory)
+        if kwargs.get("is_main_process", True):
+            match_weight_file_modes(save_directory)
+            write_weights_manifest(save_directory)
         return result

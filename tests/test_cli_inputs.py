@@ -402,6 +402,20 @@ def set_nan(weights: dict) -> None:
     weights["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
 
 
+def flip_exponent_bit(weights: dict) -> None:
+    """A flipped high exponent bit in one weight: finite, some 1e37."""
+    weight = weights["model.layers.0.mlp.down_proj.weight"].view(-1)
+    weight[7:8].view(torch.int32).bitwise_xor_(1 << 30)
+    assert 1e30 < abs(weight[7].item()) < float("inf"), weight[7]
+
+
+def swap_tensors(weights: dict) -> None:
+    """Two tensors of one shape under each other's names: every shape and value plausible."""
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert weights[q].shape == weights[k].shape
+    weights[q], weights[k] = weights[k], weights[q]
+
+
 ROPE_HALF = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 BROKEN = {  # folder: how it is made from a trained one (config.json, or the weights)
     "rope": ("config", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": -999})),
@@ -410,6 +424,8 @@ BROKEN = {  # folder: how it is made from a trained one (config.json, or the wei
     "odd": ("config", lambda c: c.update(head_dim=7)),
     "typeless": ("config", lambda c: c.pop("model_type")),
     "nan": ("weights", set_nan),
+    "flipped": ("weights", flip_exponent_bit),
+    "swapped": ("weights", swap_tensors),
     "shape": ("weights", lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})),
 }
 SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where nothing may be written); {d}: folder
@@ -424,6 +440,13 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                      "field must be a float or int >= 1, got -999", None),
     "nan-weight": (["generate", "{d}/nan", "--prompt", PROMPT],
                    "{d}/nan has non-finite weights (NaN or inf): model.layers.1.mlp.up_proj.weight (1 of ", None),
+    "flipped-bit": (["generate", "{d}/flipped", "--prompt", PROMPT],
+                    "{d}/flipped has weights of absurd magnitude (above 1e+05; trained models stay below 1e3): "
+                    "model.layers.0.mlp.down_proj.weight (|w| up to ", None),
+    "swapped-tensors": (["generate", "{d}/swapped", "--prompt", PROMPT],
+                        "the weights in {d}/swapped were damaged or replaced since they were saved (model.safetensors "
+                        "is not the file save_pretrained wrote (its sha256 differs), by weights_sha256.json); copy or "
+                        "download the folder again", None),
     "sliding-window": (["generate", "{d}/window", "--prompt", PROMPT],
                        "sliding_window=32 (the model attends to the whole context) is not supported; remove it from "
                        "config.json", None),

@@ -192,7 +192,7 @@ def test_pickled_files_left_out(prepared, monkeypatch):
     assert hub_upload.pickled_files(folder) == ["training_args.bin"]
     code = {source.name for source in hub_upload.code_files()}
     expected = code | {"config.json", "generation_config.json", "README.md", "model.safetensors", "tokenizer.json",
-                       "tokenizer_config.json"}
+                       "tokenizer_config.json", "weights_sha256.json"}
     assert expected <= uploaded and not uploaded & {"training_args.bin", "notes.py"}, uploaded
     assert uploaded - expected <= {"special_tokens_map.json", "chat_template.jinja"}, uploaded - expected
 

@@ -358,3 +358,31 @@ def test_bitsandbytes_quantizes_projections_not_the_lambda_gate(stack, bits, tmp
     cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
     assert cosine > {4: 0.95, 8: 0.995}[bits], f"{bits}-bit logits: cosine {cosine:.4f}, max diff {(ours - theirs).abs().max():.3g}"
     assert model.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 13)
+
+
+def test_weights_manifest_records_what_was_saved(tmp_path):
+    """save_pretrained records each weight file's sha256 (hashlib over the file, here the reference); the check passes
+    on the folder as saved and on one without a manifest (saved by other code), and names the file where one byte of
+    its data changed or it is missing, in one line."""
+    import hashlib
+
+    from diff_transformer.saved_folder import WEIGHTS_MANIFEST, FolderError, check_weights_manifest
+
+    folder = tmp_path / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(path.name for path in folder.glob("*.safetensors"))
+    assert len(shards) > 1, shards
+    recorded = read_json(folder, WEIGHTS_MANIFEST)["sha256"]
+    assert recorded == {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in shards}
+    check_weights_manifest(folder)
+    data = bytearray((folder / shards[-1]).read_bytes())
+    data[-1] ^= 1  # the last byte: tensor data, not the header
+    (folder / shards[-1]).write_bytes(bytes(data))
+    (folder / shards[0]).unlink()
+    with pytest.raises(FolderError) as error:
+        check_weights_manifest(folder)
+    message = str(error.value)
+    assert "\n" not in message and f"{shards[0]} is missing; {shards[-1]} is not the file save_pretrained wrote" in \
+        message, message
+    (folder / WEIGHTS_MANIFEST).unlink()
+    check_weights_manifest(folder)

@@ -38,7 +38,7 @@ from .. import (
     DiffModel,
 )
 from ..folder_defaults import generation_defaults
-from ..saved_folder import TOKENIZER_FILES, FolderError, check_folder, pickled_files, read_json
+from ..saved_folder import TOKENIZER_FILES, WEIGHTS_MANIFEST, FolderError, check_folder, pickled_files, read_json
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 AUTO_CLASSES = (
@@ -57,7 +57,7 @@ CONFIG_ROWS = (
 # What a published folder holds besides the package's code (`code_files`) and its *.safetensors weights.
 PUBLISHED = ("config.json", "generation_config.json", "README.md", "model.safetensors.index.json", *TOKENIZER_FILES,
              "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-             "chat_template.jinja", "chat_template.json")
+             "chat_template.jinja", "chat_template.json", WEIGHTS_MANIFEST)
 # Environment variables the loadability check's interpreter does not inherit: anything that may hold a credential.
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION", re.IGNORECASE)
 
