@@ -487,6 +487,10 @@ def add_serve_parser(commands, common) -> Parser:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="KV-cache size in GiB on vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE; GPUs size it)")
     parser.add_argument("--served-model-name", help="model name clients send (default: the folder path)")
+    parser.add_argument("--api-key-file", metavar="FILE",
+                        help="a file whose first line is the key clients must send (Authorization: Bearer KEY); "
+                             "passed to vLLM in its environment, never on a command line. VLLM_API_KEY in the "
+                             "environment works too")
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
     parser.verbatim_options = ("--vllm-args",)
