@@ -422,6 +422,7 @@ BROKEN = {  # folder: how it is made from a trained one (config.json, or the wei
     "window": ("config", lambda c: c.update(sliding_window=32)),
     "partial": ("config", lambda c: c.update(rope_parameters=ROPE_HALF)),
     "odd": ("config", lambda c: c.update(head_dim=7)),
+    "misspelt": ("config", lambda c: c.update(num_heads=8)),
     "typeless": ("config", lambda c: c.pop("model_type")),
     "nan": ("weights", set_nan),
     "flipped": ("weights", flip_exponent_bit),
@@ -454,6 +455,10 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                        "rope_parameters.partial_rotary_factor=0.5 (the model rotates every dimension of a head) is not "
                        "supported", None),
     "odd-head-dim": (["generate", "{d}/odd", "--prompt", PROMPT], "head_dim (7) must be even", None),
+    "misspelt-field": (["generate", "{d}/misspelt", "--prompt", PROMPT],
+                       "DiffConfig: unknown field 'num_heads' in config.json; did you mean 'num_key_value_heads' or "
+                       "'num_attention_heads'? (transformers would keep it as an unused attribute); fix or remove it",
+                       None),
     "wrong-shape": (["generate", "{d}/shape", "--prompt", PROMPT],
                     "the weights in {d}/shape do not fit its config.json: model.layers.0.self_attn.q_proj.weight: "
                     "[32, 64] in model.safetensors, [64, 64] for config.json", None),

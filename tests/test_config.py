@@ -305,3 +305,31 @@ def test_config_saved_before_the_multiplier_loads_unscaled(tmp_path):
 def test_bad_embedding_multiplier_refused(value):
     with pytest.raises(ValueError, match="embedding_multiplier must be"):
         tiny_config(embedding_multiplier=value)
+
+
+def test_misspelt_field_in_a_saved_config_refused(tmp_path):
+    """`"num_heads": 8` written into a saved config.json was kept as an unused attribute (the model built with the
+    saved num_attention_heads): refused in one line naming the nearest fields, as the constructor refuses it. Keys
+    transformers writes and other models' norm epsilons still load."""
+    tiny_config().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_heads": 8}))
+    with pytest.raises(ValueError) as error:
+        DiffConfig.from_pretrained(tmp_path)
+    assert str(error.value) == ("DiffConfig: unknown field 'num_heads' in config.json; did you mean "
+                                "'num_key_value_heads' or 'num_attention_heads'? (transformers would keep it as an "
+                                "unused attribute); fix or remove it.")
+    extras = {"layer_norm_eps": 1.0, "norm_epsilon": 1.0, "torch_dtype": "float32", "rope_scaling": None,
+              "_name_or_path": "x", "base_model": "meta-llama/Llama-3.2-1B"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **extras}))
+    assert DiffConfig.from_pretrained(tmp_path).layer_norm_eps == 1.0
+
+
+def test_committed_folders_still_load():
+    """Every DIFF config.json committed in the repository (benchmark runs, fixtures) passes the saved-keys check."""
+    root = Path(__file__).resolve().parents[1]
+    found = [path for path in root.glob("**/config.json") if ".git" not in path.parts
+             and json.loads(path.read_text()).get("model_type") == "diff_transformer"]
+    assert found
+    for path in found:
+        DiffConfig.from_pretrained(path.parent)
