@@ -9,10 +9,12 @@ import argparse
 import importlib
 import importlib.util
 import math
+import pickle
 import signal
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -529,11 +531,24 @@ def build_parser() -> Parser:
     return parser
 
 
+def refused_pickle(args: argparse.Namespace) -> str:
+    """The answer where torch.load (weights_only=True) refused a pickled weight file: which of the command's folders'
+    pickles it may be, and the fix that runs none of their code (torch's own message suggests weights_only=False)."""
+    folders = [value for value in vars(args).values() if isinstance(value, (str, Path)) and Path(value).is_dir()]
+    files = [str(Path(folder) / name) for folder in folders for name in saved_folder.pickled_files(folder)]
+    return (f"refused to load the pickled weights {', '.join(files) or 'of the model'}: they hold more than tensors "
+            "(torch.load with weights_only=True), and loading a pickle runs code its author chose; do not pass "
+            "weights_only=False: use the model's safetensors weights, or convert it to safetensors with a tool you "
+            "trust")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     command = args.command_parser
     if hasattr(args, "check"):
         args.check(args, command)
+    # torch's weights-only unpickler warns of the protocol of a pickle it then refuses (one line says why)
+    warnings.filterwarnings("ignore", message="Detected pickle protocol")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
@@ -543,6 +558,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         code = getattr(stop, "exit_code", 128 + signal.SIGINT)
         command.exit(code, f"{command.prog}: {str(stop) or 'interrupted'}\n")
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met more than tensors: refused, and said so
+        if args.debug:
+            raise
+        command.exit(2, f"{command.prog}: error: {refused_pickle(args)} (--debug shows the traceback)\n")
     except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
         if args.debug:
             raise

@@ -398,6 +398,38 @@ def edited_weights(source: Path, folder: Path, edit) -> Path:
     return folder
 
 
+def edited_files(source: Path, folder: Path, edit) -> Path:
+    shutil.copytree(source, folder)
+    edit(folder)
+    return folder
+
+
+class PlantedPickle:
+    """Unpickled, writes the file `pwned` beside the folder that holds it."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+def pickled_llama(folder: Path) -> None:
+    """A Llama folder whose weights are a pickle that runs code (PlantedPickle) when loaded."""
+    import pickle
+
+    shutil.rmtree(folder)
+    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": PlantedPickle(folder.parent / "pwned")}))
+
+
+def truncate_weights(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
 def set_nan(weights: dict) -> None:
     weights["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
 
@@ -426,6 +458,9 @@ BROKEN = {  # folder: how it is made from a trained one (config.json, or the wei
     "typeless": ("config", lambda c: c.pop("model_type")),
     "nan": ("weights", set_nan),
     "flipped": ("weights", flip_exponent_bit),
+    "truncated": ("files", truncate_weights),
+    "tokenizer-text": ("files", lambda folder: (folder / "tokenizer.json").write_text("{ not JSON")),
+    "pickled": ("files", pickled_llama),
     "swapped": ("weights", swap_tensors),
     "shape": ("weights", lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})),
 }
@@ -441,6 +476,17 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                      "field must be a float or int >= 1, got -999", None),
     "nan-weight": (["generate", "{d}/nan", "--prompt", PROMPT],
                    "{d}/nan has non-finite weights (NaN or inf): model.layers.1.mlp.up_proj.weight (1 of ", None),
+    "truncated-weights": (["generate", "{d}/truncated", "--prompt", PROMPT],
+                          "{d}/truncated/model.safetensors is truncated or corrupt (Error while deserializing header: "
+                          "incomplete metadata, file not fully covered); copy or download the folder again", None),
+    "tokenizer-not-json": (["generate", "{d}/tokenizer-text", "--prompt", PROMPT],
+                           "{d}/tokenizer-text/tokenizer.json is not valid JSON: Expecting property name enclosed in "
+                           "double quotes at line 1 column 3; the file is damaged", None),
+    "pickled-weights": (["convert", "{d}/pickled", "{d}/runs/from-pickle"],
+                        "refused to load the pickled weights {d}/pickled/pytorch_model.bin: they hold more than "
+                        "tensors (torch.load with weights_only=True), and loading a pickle runs code its author chose; "
+                        "do not pass weights_only=False: use the model's safetensors weights, or convert it to "
+                        "safetensors with a tool you trust (--debug shows the traceback)", "pwned"),
     "flipped-bit": (["generate", "{d}/flipped", "--prompt", PROMPT],
                     "{d}/flipped has weights of absurd magnitude (above 1e+05; trained models stay below 1e3): "
                     "model.layers.0.mlp.down_proj.weight (|w| up to ", None),
@@ -517,7 +563,7 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     root = tmp_path_factory.mktemp("broken")
     shutil.copytree(trained, root / "model")
     for name, (part, edit) in BROKEN.items():
-        (edited_config if part == "config" else edited_weights)(trained, root / name, edit)
+        {"config": edited_config, "weights": edited_weights, "files": edited_files}[part](trained, root / name, edit)
     (root / "empty.txt").write_text("")
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")

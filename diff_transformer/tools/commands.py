@@ -17,7 +17,14 @@ from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
 from ..folder_defaults import generation_defaults
-from ..saved_folder import check_weights_manifest, checkpoint_step, checkpoints, nearest_existing, read_config
+from ..saved_folder import (
+    check_weights_manifest,
+    checkpoint_step,
+    checkpoints,
+    nearest_existing,
+    read_config,
+    read_json,
+)
 from ..tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
 from .training import (
@@ -61,23 +68,50 @@ def load_config(folder: str):
 
 
 def load_tokenizer(folder: str):
-    return AutoTokenizer.from_pretrained(folder, config=load_config(folder), trust_remote_code=False)
+    """The folder's tokenizer; a tokenizer file that is not JSON is named with the fix (transformers' message names
+    none)."""
+    config = load_config(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder, config=config, trust_remote_code=False)
+    except ValueError:
+        for path in sorted(Path(folder).glob("*.json")):
+            if path.name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template")):
+                read_tokenizer_json(path)
+        raise
+
+
+def read_tokenizer_json(path: Path) -> None:
+    """`ValueError` naming `path` and the position where it stops being JSON."""
+    try:
+        read_json(path)
+    except ValueError as error:
+        raise ValueError(f"{error}; the file is damaged: copy or download the folder again, or save the tokenizer "
+                         "again with tokenizer.save_pretrained") from None
 
 
 def mismatched_shapes(folder: str, config) -> list[str]:
     """"name: S in the file, T for config.json" for each weight of the folder whose shape does not fit its config."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     found = []
     for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(file, "pt") as weights:
-            for name in weights.keys():
-                shape = tuple(weights.get_slice(name).get_shape())
-                if name in expected and shape != expected[name]:
-                    found.append(f"{name}: {list(shape)} in {file.name}, {list(expected[name])} for config.json")
+        for name, shape in header_shapes(file).items():
+            if name in expected and shape != expected[name]:
+                found.append(f"{name}: {list(shape)} in {file.name}, {list(expected[name])} for config.json")
     return found
+
+
+def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of a safetensors file, from its header; `ValueError` naming the file where it is
+    truncated or corrupt (safetensors' own error names no file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, "pt") as weights:
+            return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    except SafetensorError as error:
+        raise ValueError(f"{file} is truncated or corrupt ({error}); copy or download the folder again, or save the "
+                         "model again with save_pretrained") from None
 
 
 def listed(items: list[str]) -> str:
