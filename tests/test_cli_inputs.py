@@ -455,6 +455,7 @@ BROKEN = {  # folder: how it is made from a trained one (config.json, or the wei
     "partial": ("config", lambda c: c.update(rope_parameters=ROPE_HALF)),
     "odd": ("config", lambda c: c.update(head_dim=7)),
     "misspelt": ("config", lambda c: c.update(num_heads=8)),
+    "huge": ("config", lambda c: c.update(num_hidden_layers=100_000, attention_types=None)),
     "typeless": ("config", lambda c: c.pop("model_type")),
     "nan": ("weights", set_nan),
     "flipped": ("weights", flip_exponent_bit),
@@ -501,6 +502,10 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                        "rope_parameters.partial_rotary_factor=0.5 (the model rotates every dimension of a head) is not "
                        "supported", None),
     "odd-head-dim": (["generate", "{d}/odd", "--prompt", PROMPT], "head_dim (7) must be even", None),
+    "huge-config": (["generate", "{d}/huge", "--prompt", PROMPT],
+                    "config.json of {d}/huge implies 4,728,002,432 parameters (num_hidden_layers=100000, "
+                    "hidden_size=64, intermediate_size=160, vocab_size=37, num_attention_heads=4), but its weight "
+                    "files hold 96,992: the fields do not describe these weights", None),
     "misspelt-field": (["generate", "{d}/misspelt", "--prompt", PROMPT],
                        "DiffConfig: unknown field 'num_heads' in config.json; did you mean 'num_key_value_heads' or "
                        "'num_attention_heads'? (transformers would keep it as an unused attribute); fix or remove it",

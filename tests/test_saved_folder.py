@@ -386,3 +386,26 @@ def test_weights_manifest_records_what_was_saved(tmp_path):
         message, message
     (folder / WEIGHTS_MANIFEST).unlink()
     check_weights_manifest(folder)
+
+
+def test_size_from_the_config_alone(tmp_path):
+    """The parameters a config implies, counted without building a model, equal the model's for each attention stack
+    and untied embeddings; a folder whose weights would not fit the memory available is refused in one line before
+    anything is built."""
+    from helpers import STACKS
+
+    from diff_transformer.tools.commands import check_model_size, config_parameters
+
+    for stack in STACKS:
+        model = build_stack("sdpa", stack)
+        assert config_parameters(model.config) == model.num_parameters(), stack
+    model = build_stack("sdpa", "V1-GQA", tie_word_embeddings=False, attention_bias=False)
+    assert config_parameters(model.config) == model.num_parameters()
+    model.save_pretrained(tmp_path)
+    check_model_size(str(tmp_path))
+    needed = 4 * model.num_parameters()
+    with pytest.raises(ValueError) as error:
+        check_model_size(str(tmp_path), available=needed - 1)
+    assert str(error.value).startswith(f"{tmp_path} needs about 0.0 GiB of memory for its {model.num_parameters():,} "
+                                       "weights (num_hidden_layers=2, "), error.value
+    check_model_size(str(tmp_path), available=needed)

@@ -4,6 +4,7 @@ names the function each command runs; `serve` runs `serving.server.serve`)."""
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -119,6 +120,64 @@ def listed(items: list[str]) -> str:
     return f"{', '.join(items[:3])}{f' and {len(items) - 3} more' if len(items) > 3 else ''}"
 
 
+def layer_parameters(config, kind: str) -> int:
+    """Weights of one decoder layer of a DiffConfig, biases left out: attention projections of the layer's `kind`
+    (differential V1 / V2, or standard), lambda, SubLN, the MLP and the two norms."""
+    hidden, h, h_kv, d, dv = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                              config.head_dim, config.value_head_dim)
+    if kind == "standard":
+        attention = hidden * (2 * h * dv + 2 * h_kv * dv)  # q, o: h dv / d heads of d; k, v: h_kv dv / d heads
+    elif config.diff_version == 2:
+        attention = hidden * (2 * h * d + 2 * h_kv * d + h * d + h)  # q, k, v, o, lambda_proj
+    else:
+        attention = hidden * (2 * h * d + 2 * h_kv * d + h_kv * dv + h * dv) + 4 * d + dv
+    return attention + 3 * hidden * config.intermediate_size + 2 * hidden
+
+
+def config_parameters(config) -> int:
+    """The parameters a DiffConfig implies, from its fields (no model is built): within a few percent (biases and
+    PolyNorm's four weights left out)."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return embeddings + config.hidden_size + sum(layer_parameters(config, kind) for kind in config.attention_types)
+
+
+def memory_available() -> int:
+    """Bytes of memory this process may still use: MemAvailable of /proc/meminfo, else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads")
+
+
+def check_model_size(folder: str, available: int | None = None) -> None:
+    """Before a DIFF model is built from `folder`: `ValueError` where its config implies far more parameters than
+    its weight files hold (a hand-edited `num_hidden_layers: 100000` would build for minutes toward hundreds of GB
+    of random weights), or weights that need more memory than is `available` (default: `memory_available`)."""
+    config = load_config(folder)
+    if getattr(config, "model_type", None) != "diff_transformer":
+        return
+    implied = config_parameters(config)
+    shapes = [shape for file in sorted(Path(folder).glob("*.safetensors")) for shape in header_shapes(file).values()]
+    held = sum(math.prod(shape) for shape in shapes)
+    fields = ", ".join(f"{name}={getattr(config, name)}" for name in SIZE_FIELDS)
+    if implied > 1.5 * held:
+        raise ValueError(f"config.json of {folder} implies {implied:,} parameters ({fields}), but its weight files hold "
+                         f"{held:,}: the fields do not describe these weights (a hand edit?); fix them, or save the "
+                         "model and its config again together")
+    needed = implied * (2 if str(config.dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4)
+    available = memory_available() if available is None else available
+    if needed > available:
+        raise ValueError(f"{folder} needs about {needed / 2**30:.1f} GiB of memory for its {implied:,} weights "
+                         f"({fields}), more than the {available / 2**30:.1f} GiB available; free some memory or use "
+                         "a machine with more")
+
+
 def check_finite_weights(model: torch.nn.Module, what: str) -> None:
     """`ValueError` naming the weights of `model` that hold NaN or infinite values (which make every output NaN:
     an empty answer, no error), or values beyond `MAX_WEIGHT` (a flipped exponent bit: finite, and the logits NaN)."""
@@ -149,6 +208,7 @@ def load_checked_model(folder: str, **options) -> torch.nn.Module:
     """AutoModelForCausalLM from a folder, with the weights' shapes, values and checksums (where save_pretrained
     recorded them) checked, and the generation defaults of a folder saved now (an older folder's length setting
     warned on every call passing max_new_tokens)."""
+    check_model_size(folder)
     check_weight_shapes(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     check_finite_weights(model, folder)
