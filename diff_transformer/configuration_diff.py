@@ -8,6 +8,7 @@ import re
 import types
 import typing
 
+import torch
 from huggingface_hub.dataclasses import type_validator
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
@@ -237,6 +238,7 @@ class DiffConfig(PreTrainedConfig):
         if not saved:
             self.check_unknown(kwargs)
         self.check_types(saved)
+        self.check_dtype(kwargs.get("torch_dtype"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -324,6 +326,15 @@ class DiffConfig(PreTrainedConfig):
                 f"{name} must be {expected}, got {value!r} ({type(value).__name__}); "
                 + ("fix it in config.json" if saved else f"pass {expected}"),
             )
+
+    def check_dtype(self, torch_dtype: object = None) -> None:
+        """Refuse a `dtype` (or older `torch_dtype`) string that names no torch dtype (`"fp16"`), which transformers
+        would answer with `module 'torch' has no attribute 'fp16'`."""
+        for dtype in (getattr(self, "dtype", None), torch_dtype):
+            if isinstance(dtype, str) and dtype != "auto":
+                self._check(isinstance(getattr(torch, dtype, None), torch.dtype),
+                            f"dtype {dtype!r} is no torch dtype; use 'float16', 'bfloat16' or 'float32' (or 'auto': "
+                            "the checkpoint's)")
 
     @staticmethod
     def _check(condition: bool, message: str) -> None:

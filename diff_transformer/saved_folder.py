@@ -54,7 +54,8 @@ def read_text_file(path: str | os.PathLike) -> str:
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
+            f"give a plain text file, or convert it first, naming its encoding after -f (e.g. iconv -f LATIN1 -t "
+            f"UTF-8 {path} > {Path(path).stem}-utf8.txt)"
         ) from None
 
 

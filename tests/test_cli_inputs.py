@@ -335,6 +335,36 @@ def test_truncate_prompt_keeps_the_end_with_one_warning(folders, capsys):
     assert LONG_PROMPT.endswith(tail) and captured.out.split("generated: ", 1)[1].startswith(tail), captured.out
 
 
+def test_outliers_tokenize_long_text_without_a_warning(folders, tmp_path, monkeypatch):
+    """`outliers` tokenizes more filler text than the context and keeps --length tokens of it: no "Token indices
+    sequence length is longer than ... will result in indexing errors" on a correct run (before: printed). In a
+    fresh interpreter at transformers' default verbosity, as a user runs it."""
+    folder = tmp_path / "diff"
+    shutil.copytree(folders / "diff", folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": CONTEXT}))
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")
+    [(code, output)] = run_cases([["outliers", str(folder), "--length", str(CONTEXT)]], tmp_path)
+    assert code == 0 and "| diff | hidden_states |" in output, output
+    assert "indexing errors" not in output and "sequence length is longer" not in output, output
+
+
+def test_iconv_hint_converts_the_file(tmp_path):
+    """The non-UTF-8 hint is a command that works as written (before: `iconv -t utf-8`, which needs `-f`)."""
+    if shutil.which("iconv") is None:
+        pytest.skip("no iconv on this machine")
+    text = "Café, naïve, Zürich\n"
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    from diff_transformer.saved_folder import read_text_file
+
+    with pytest.raises(ValueError) as error:
+        read_text_file(tmp_path / "latin.txt")
+    command = re.search(r"\(e\.g\. (iconv .*)\)$", str(error.value))[1]
+    subprocess.run(command, shell=True, cwd=tmp_path, check=True, timeout=30, stdin=subprocess.DEVNULL)
+    converted = tmp_path / "latin-utf8.txt"
+    assert converted.read_text(encoding="utf-8") == text, converted.read_bytes()
+
+
 def test_matching_baseline_runs(folders, capsys):
     main(["outliers", str(folders / "diff"), "--baseline", str(folders / "same"), "--length", "64"])
     assert "| baseline | hidden_states |" in capsys.readouterr().out

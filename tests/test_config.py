@@ -333,3 +333,16 @@ def test_committed_folders_still_load():
     assert found
     for path in found:
         DiffConfig.from_pretrained(path.parent)
+
+
+@pytest.mark.parametrize("keyword", ["dtype", "torch_dtype"])
+def test_dtype_names_a_torch_dtype(tmp_path, keyword):
+    """`dtype="fp16"` failed inside transformers with `module 'torch' has no attribute 'fp16'`: one line naming the
+    dtypes, in a config built in code and in `from_pretrained`'s keyword; a real name still works."""
+    message = r"^DiffConfig: dtype 'fp16' is no torch dtype; use 'float16', 'bfloat16' or 'float32'"
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**{keyword: "fp16"})
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        DiffConfig.from_pretrained(tmp_path, **{keyword: "fp16"})
+    assert str(tiny_config(**{keyword: "bfloat16"}).dtype) == "torch.bfloat16"
