@@ -6,6 +6,7 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs the function `COMMANDS` names for it."""
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import math
@@ -76,6 +77,31 @@ class Parser(argparse.ArgumentParser):
                 if args[i] in self.verbatim_options:
                     args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
         return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, with unknown options answered by the command's own parser (its name, its --help), each with
+        the option it most likely means (`option_hint`)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(namespace, "command_parser", self)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.option_hint(extras)}")
+        return namespace
+
+    def option_hint(self, extras: list[str]) -> str:
+        """"; did you mean --learning-rate?" for the unknown options among `extras` that abbreviate one of this
+        parser's options by its words' initials (--lr) or misspell it (--learing-rate); "" when none does."""
+        options = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        initials = {"--" + "".join(word[0] for word in name[2:].split("-")): name for name in options}
+        hints = []
+        for extra in extras:
+            name = extra.partition("=")[0]
+            if name.startswith("--") and name not in options:
+                close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+                if guess := initials.get(name) or (close[0] if close else None):
+                    hints.append((guess, name))
+        if len(hints) == 1:
+            return f"; did you mean {hints[0][0]}?"
+        return f"; did you mean {', '.join(f'{guess} for {name}' for guess, name in hints)}?" if hints else ""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -90,6 +90,11 @@ def answer(arguments: list[str], capsys) -> str:
 
 
 MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is the folders fixture
+    "lr-initials": (["train", "--lr", "0.01"], "train: error: unrecognized arguments: --lr 0.01; did you mean "
+                                              "--learning-rate? (see diff-transformer train --help)"),
+    "misspelt-option": (["generate", "{d}/diff", "--prompt", "x", "--max-new-tokns=3", "--smaple"],
+                        "unrecognized arguments: --max-new-tokns=3 --smaple; did you mean --max-new-tokens for "
+                        "--max-new-tokns, --sample for --smaple?"),
     "inf-learning-rate": (["train", "--learning-rate", "inf"], "--learning-rate: 'inf' must be a finite number > 0"),
     "nan-learning-rate": (["train", "--learning-rate", "nan"], "--learning-rate: 'nan' must be a finite number > 0"),
     "inf-minutes": (["train", "--minutes", "Infinity"], "--minutes: 'Infinity' must be a finite number > 0"),
