@@ -35,8 +35,8 @@ def test_callers_length_in_force(folder):
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor([[1, 5, 9, 12]])
     assert new_tokens(model, ids, max_length=ids.shape[1] + NEW_TOKENS) == NEW_TOKENS
-    assert new_tokens(model, ids, generation_config=GenerationConfig(max_length=ids.shape[1] + 2, do_sample=False),
-                      ) == 2
+    by_config = GenerationConfig(max_length=ids.shape[1] + 2, do_sample=False)
+    assert new_tokens(model, ids, generation_config=by_config) == 2
     assert new_tokens(model, ids, max_new_tokens=5) == 5
     assert new_tokens(model, ids, max_new_tokens=4, max_length=ids.shape[1] + 9) == 4  # transformers' precedence
     assert new_tokens(model, ids) == model.config.max_position_embeddings // 2
@@ -93,8 +93,8 @@ def test_lm_eval_generate_until_matches_plain_greedy(folder, tmp_path, monkeypat
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "diff_kv_lengths.yaml").write_text(TASK.format(data=data, new_tokens=NEW_TOKENS))
     results = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={folder},dtype=float32,add_bos_token=True", tasks=["diff_kv_lengths"], batch_size=1,
-        device="cpu", log_samples=True, task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        model="hf", model_args=f"pretrained={folder},dtype=float32,add_bos_token=True", tasks=["diff_kv_lengths"],
+        batch_size=1, device="cpu", log_samples=True, task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
     )
     samples = results["samples"]["diff_kv_lengths"]
     responses = {sample["doc"]["prompt"]: sample["filtered_resps"][0] for sample in samples}

@@ -394,7 +394,7 @@ def test_size_from_the_config_alone(tmp_path):
     anything is built."""
     from helpers import STACKS
 
-    from diff_transformer.tools.commands import check_model_size, config_parameters
+    from diff_transformer.tools.model_size import check_model_size, config_parameters
 
     for stack in STACKS:
         model = build_stack("sdpa", stack)
@@ -402,10 +402,10 @@ def test_size_from_the_config_alone(tmp_path):
     model = build_stack("sdpa", "V1-GQA", tie_word_embeddings=False, attention_bias=False)
     assert config_parameters(model.config) == model.num_parameters()
     model.save_pretrained(tmp_path)
-    check_model_size(str(tmp_path))
+    check_model_size(str(tmp_path), model.config)
     needed = 4 * model.num_parameters()
     with pytest.raises(ValueError) as error:
-        check_model_size(str(tmp_path), available=needed - 1)
+        check_model_size(str(tmp_path), model.config, available=needed - 1)
     assert str(error.value).startswith(f"{tmp_path} needs about 0.0 GiB of memory for its {model.num_parameters():,} "
                                        "weights (num_hidden_layers=2, "), error.value
-    check_model_size(str(tmp_path), available=needed)
+    check_model_size(str(tmp_path), model.config, available=needed)
