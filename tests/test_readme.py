@@ -81,6 +81,8 @@ BLOCKS = {
     "diff-transformer serve FOLDER --port 8000": SKIP + "needs vLLM's CUDA build and a GPU",
     "diff-transformer serve FOLDER --kv-cache-gib 1": SKIP + "needs vLLM's CPU build: tests/vllm_serving serves a "
     "trained folder this way (bash .ci/run vllm)",
+    "diff-transformer serve FOLDER --host 0.0.0.0 --api-key-file": SKIP + "needs vLLM and serves until stopped; "
+    "tests/vllm_serving/test_serving_checks.py checks the key reaches vLLM only through its environment",
     "diff-transformer attention-noise out/my-model": "slow",
     "--output docs/images/attention_noise": SKIP + "writes the committed example into docs/images; "
     "tests/test_plots.py runs this command's evaluation and checks it against the committed table",
