@@ -107,10 +107,16 @@ def listed(items: list[str]) -> str:
     return f"{', '.join(items[:3])}{f' and {len(items) - 3} more' if len(items) > 3 else ''}"
 
 
+def peak_magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """max |x| of `tensor` (NaN where it holds one), without a copy of it: from its min and max."""
+    low, high = torch.aminmax(tensor.detach())
+    return torch.maximum(-low, high).float()
+
+
 def check_finite_weights(model: torch.nn.Module, what: str) -> None:
     """`ValueError` naming the weights of `model` that hold NaN or infinite values (which make every output NaN:
     an empty answer, no error), or values beyond `MAX_WEIGHT` (a flipped exponent bit: finite, and the logits NaN)."""
-    peaks = {name: p.detach().abs().amax() for name, p in model.named_parameters() if p.numel()}
+    peaks = {name: peak_magnitude(p) for name, p in model.named_parameters() if p.numel()}
     bad = [f"{name} ({int((~torch.isfinite(p)).sum())} of {p.numel()} values)"
            for name, p in model.named_parameters() if name in peaks and not torch.isfinite(peaks[name])]
     if bad:
