@@ -5,6 +5,7 @@ write or read, with the Hub code too."""
 
 import copy
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,9 +119,9 @@ class SavedFolderMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), and a
+        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), a
         truncated or corrupt safetensors file is reported with its folder and the fix (safetensors' own message
-        names neither)."""
+        names neither), and a pickle torch refuses with the fix that runs none of its code."""
         if pretrained_model_name_or_path is not None:
             check_local_path(pretrained_model_name_or_path)
         try:
@@ -129,6 +130,12 @@ class SavedFolderMixin:
             raise OSError(
                 f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
                 "download them again, or re-save the model with model.save_pretrained"
+            ) from error
+        except pickle.UnpicklingError as error:  # torch's own message suggests weights_only=False
+            raise OSError(
+                f"refused to load the pickled weights in {pretrained_model_name_or_path}: they hold more than tensors, "
+                "and loading a pickle runs code its author chose; do not pass weights_only=False: use the model's "
+                "safetensors weights, or convert it to safetensors with a tool you trust"
             ) from error
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import saved_folders, tiny_config
+from helpers.folders import planted_pickle
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -439,25 +440,13 @@ def edited_files(source: Path, folder: Path, edit) -> Path:
     return folder
 
 
-class PlantedPickle:
-    """Unpickled, writes the file `pwned` beside the folder that holds it."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (Path.write_text, (Path(self.marker), "pwned"))
-
-
 def pickled_llama(folder: Path) -> None:
-    """A Llama folder whose weights are a pickle that runs code (PlantedPickle) when loaded."""
-    import pickle
-
+    """A Llama folder whose weights are a pickle that runs code (`planted_pickle`) when loaded."""
     shutil.rmtree(folder)
     LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2)).save_pretrained(folder)
     (folder / "model.safetensors").unlink()
-    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": PlantedPickle(folder.parent / "pwned")}))
+    (folder / "pytorch_model.bin").write_bytes(planted_pickle(folder.parent / "pwned"))
 
 
 def truncate_weights(folder: Path) -> None:

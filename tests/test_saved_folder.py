@@ -409,3 +409,18 @@ def test_size_from_the_config_alone(tmp_path):
     assert str(error.value).startswith(f"{tmp_path} needs about 0.0 GiB of memory for its {model.num_parameters():,} "
                                        "weights (num_hidden_layers=2, "), error.value
     check_model_size(str(tmp_path), model.config, available=needed)
+
+
+def test_pickled_weights_refused_with_the_safe_fix(tmp_path):
+    """A DIFF folder whose weights are a pickle that runs code: from_pretrained refuses it (torch's weights_only)
+    with the fix that runs none of it (torch's message suggests weights_only=False), and the code never runs."""
+    from helpers.folders import planted_pickle
+
+    folder = tmp_path / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(planted_pickle(tmp_path / "pwned"))
+    refusal = r"^refused to load the pickled weights in .*: they hold more than tensors"
+    with pytest.raises(OSError, match=refusal) as error:
+        DiffForCausalLM.from_pretrained(folder)
+    assert "weights_only=False:" in str(error.value) and not (tmp_path / "pwned").exists()

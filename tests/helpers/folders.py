@@ -32,3 +32,20 @@ def sha256s(folder: Path) -> dict[str, str]:
 
     return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
             for path in sorted(Path(folder).rglob("*")) if path.is_file()}
+
+
+class PlantedPickle:
+    """Unpickled, writes the file `marker`: a pickle that runs code, as a hostile pytorch_model.bin does."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+def planted_pickle(marker: Path) -> bytes:
+    """Weights pickled with a `PlantedPickle` among them."""
+    import pickle
+
+    return pickle.dumps({"weight": PlantedPickle(marker)})
