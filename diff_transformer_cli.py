@@ -7,8 +7,10 @@ answer at once; each command then runs the function `COMMANDS` names for it."""
 
 import argparse
 import difflib
+import hashlib
 import importlib
 import importlib.util
+import json
 import math
 import pickle
 import signal
@@ -39,6 +41,7 @@ def load_torch_free(name: str) -> ModuleType:
 
 
 saved_folder = load_torch_free("diff_transformer.saved_folder")
+safe_write = load_torch_free("diff_transformer.tools.safe_write")
 
 
 class Terminated(KeyboardInterrupt):
@@ -203,13 +206,108 @@ def check_output_prefix(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(f"--output {args.output}: {problem}; choose another --output")
 
 
+# train's options on --resume: those a run may change deliberately (--change NAME, which applies them), and those it
+# may change freely (they do not touch what is trained); any other is the run's (its model, tokenizer and data).
+RESUME_CHANGEABLE = ("learning_rate", "max_steps", "bf16", "save_steps")
+RESUME_FREE = ("minutes", "attn_implementation", "save_total_limit", "resume")
+
+
+def option_name(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def shown(value) -> str:
+    """An option's value as a user reads it in a message."""
+    return {None: "not given", True: "on", False: "off"}.get(value, str(value)) if not isinstance(value, float) \
+        else f"{value:g}"
+
+
+def clear_stale(target: Path, parser: argparse.ArgumentParser) -> None:
+    """Clear what writers killed part-way left beside `target` and in it (`safe_write.remove_stale`), saying so."""
+    for done in safe_write.remove_stale(target.parent) + safe_write.remove_stale(target):
+        print(f"{parser.prog}: {done}, left by a killed run")
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def newest_complete_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                               found: list[Path]) -> Path:
+    """The newest checkpoint of `found` that can be resumed; the newer ones it skips, with why, go into
+    `args.skipped_checkpoints`. None complete: refused, naming each and its fault."""
+    skipped = []
+    for checkpoint in reversed(found):
+        problem = safe_write.checkpoint_problem(checkpoint)
+        if problem is None:
+            args.skipped_checkpoints = skipped
+            return checkpoint
+        skipped.append(f"{checkpoint}: {problem} (incomplete)")
+    parser.error(f"--resume: no checkpoint in --output {args.output} is complete ({'; '.join(skipped)}); drop "
+                 "--resume and pass --overwrite to start a new run")
+
+
+def changed_option(args: argparse.Namespace, name: str, before, checkpoint: Path, record: dict) -> str | None:
+    """How this run's option `name` differs from the run's `before` recorded in `checkpoint`, or None."""
+    now = getattr(args, name)
+    if name == "data":
+        if (before is None) == (now is None) and record.get("data_sha256") == args.data_sha256:
+            return None
+        if before is not None and now is not None:
+            return f"the file of --data {now} is not the run's ({before}, sha256 {record.get('data_sha256')})"
+    elif now == before:
+        return None
+    return f"{option_name(name)} is {shown(now)} here but {shown(before)} in the run ({checkpoint})"
+
+
+def check_same_run(args: argparse.Namespace, parser: argparse.ArgumentParser, checkpoint: Path) -> None:
+    """--resume continues only the run of `checkpoint` (its record, `safe_write.RUN_RECORD`): an option of another
+    value is refused, naming both values, unless it may change (`RESUME_FREE`, or `RESUME_CHANGEABLE` with
+    --change, recorded in `args.changes`)."""
+    if not (checkpoint / safe_write.RUN_RECORD).is_file():
+        parser.error(f"--resume: {checkpoint} records no options of its run ({safe_write.RUN_RECORD}; an older "
+                     "version wrote it), so this run could silently differ from it; start a new run with --overwrite")
+    record = json.loads((checkpoint / safe_write.RUN_RECORD).read_text())
+    args.changes = list(record.get("changes", []))
+    for name, before in record["options"].items():
+        if name in RESUME_FREE or not hasattr(args, name):
+            continue
+        difference = changed_option(args, name, before, checkpoint, record)
+        if difference is None:
+            continue
+        if name not in RESUME_CHANGEABLE:
+            parser.error(f"--resume: {difference}, and it cannot change on a resume (the model, its tokenizer and "
+                         f"its data are the run's); give the run's value, or start a new run with --overwrite")
+        if name not in args.change:
+            parser.error(f"--resume: {difference}; give the run's value to continue it, or add --change "
+                         f"{option_name(name)[2:]} to train on with the new one")
+        if name == "max_steps" and args.max_steps < saved_folder.checkpoint_step(checkpoint):
+            parser.error(f"--max-steps {args.max_steps} is fewer than the {saved_folder.checkpoint_step(checkpoint)} "
+                         f"steps {checkpoint} has trained; give more")
+        args.changes.append({"option": name, "from": before, "to": getattr(args, name),
+                             "at_step": saved_folder.checkpoint_step(checkpoint)})
+
+
 def check_checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
-    """train's --resume needs a checkpoint in --output; checkpoints there without it need --overwrite (a new run).
-    Whether --output holds checkpoints."""
+    """train's --resume needs a complete checkpoint in --output, of the same run (`args.resume_from`: the newest
+    one); checkpoints there without it need --overwrite (a new run). Whether --output holds checkpoints."""
     found = saved_folder.checkpoints(args.output) if Path(args.output).is_dir() else []
+    args.resume_from = None
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --output and --overwrite starts a new one there; drop one of "
+                     "them")
+    if args.change and not args.resume:
+        parser.error(f"--change {args.change[0].replace('_', '-')} applies to --resume only; drop it")
     if args.resume and not found:
         parser.error(f"--resume: --output {args.output} holds no checkpoint (checkpoint-STEP folder) to continue "
                      "from; drop --resume to start a new run")
+    if args.resume:
+        args.resume_from = newest_complete_checkpoint(args, parser, found)
+        check_same_run(args, parser, args.resume_from)
     if found and not args.resume and not args.overwrite:
         parser.error(f"--output {args.output} holds checkpoints of an unfinished run (the last: {found[-1].name}); "
                      "pass --resume to continue it, or --overwrite to start a new run")
@@ -217,13 +315,18 @@ def check_checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """train's --output: writable, not a saved model unless --overwrite, and with a checkpoint for --resume."""
+    """train's --output: writable, not a saved model unless --overwrite, not around its --data file, and with a
+    complete checkpoint of the same run for --resume."""
     problem = unwritable(Path(args.output))
     if problem:
         parser.error(f"--output {args.output}: {problem}; choose another --output")
     output = Path(args.output)
-    if check_checkpoints(args, parser) and not (output / "config.json").is_file():
-        return
+    clear_stale(output, parser)
+    if args.data is not None and safe_write.inside(Path(args.data), output):
+        parser.error(f"--output {args.output} holds the --data file {args.data}, and the model replaces the folder "
+                     "whole; choose another --output")
+    if check_checkpoints(args, parser) and (args.resume or not (output / "config.json").is_file()):
+        return  # a run started with --overwrite over a saved model holds both until its model replaces them
     if (output / "config.json").is_file():
         if not args.overwrite:
             parser.error(f"--output {args.output} already holds a saved model (config.json); pass --overwrite to "
@@ -231,6 +334,19 @@ def check_output_folder(args: argparse.Namespace, parser: argparse.ArgumentParse
     elif output.is_dir() and any(output.iterdir()):  # the model replaces the folder whole, in one rename
         parser.error(f"--output {args.output} is a folder with other files and no saved model; choose a new or "
                      "empty folder")
+
+
+def check_convert_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """convert's OUT: writable, never SRC or a folder inside or around it, a saved model only with --overwrite
+    (replaced whole), no folder of other files."""
+    out = Path(args.out)
+    problem = unwritable(out)
+    if problem:
+        parser.error(f"OUT {args.out}: {problem}; choose another folder")
+    clear_stale(out, parser)
+    inputs = (Path(args.src),) if Path(args.src).expanduser().exists() else ()
+    if problem := safe_write.target_problem(out, args.overwrite, inputs):
+        parser.error(problem)
 
 
 def local_folder_or_hub_id(text: str) -> str:
@@ -316,6 +432,7 @@ def backend_problem(name: str) -> str | None:
 
 def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     fill_data_specific(args, parser)
+    args.change = [name.replace("-", "_") for name in args.change or ()]
     if args.embedding_multiplier is None:  # the built-in task's recipe; the package's default on text
         args.embedding_multiplier = "sqrt" if args.data is not None else 1.0
     if args.hidden_size % (2 * args.heads):
@@ -333,6 +450,7 @@ def check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.data is not None and args.vocab_size < (smallest := smallest_vocabulary(args.chat_template)):
         parser.error(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's fixed entries ({BYTE_ALPHABET} "
                      f"bytes and {smallest - BYTE_ALPHABET} special tokens); use --vocab-size {smallest} or more")
+    args.data_sha256 = None if args.data is None else file_sha256(args.data)
     if problem := backend_problem(args.attn_implementation):
         parser.error(f"--attn-implementation {args.attn_implementation} cannot run on this machine ({problem}); use "
                      "--attn-implementation sdpa")
@@ -398,7 +516,12 @@ def add_train_parser(commands, common) -> Parser:
     parser.add_argument("--save-total-limit", type=positive_int, default=2,
                         help="checkpoints to keep; older ones are deleted")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the last checkpoint in --output (give the run's other options again)")
+                        help="continue from the newest complete checkpoint in --output (give the run's options "
+                             "again: another value is refused, but for --change)")
+    parser.add_argument("--change", action="append", metavar="OPTION",
+                        choices=[name.replace("_", "-") for name in RESUME_CHANGEABLE],
+                        help="with --resume: train on with this option's new value (learning-rate, max-steps, bf16, "
+                             "save-steps; repeatable), recorded in training_args.json")
     parser.add_argument("--progress-seconds", type=non_negative_float, default=60,
                         help="off a terminal, print a loss line at least this often (besides each quarter of the "
                              "run); 0: at every log")
@@ -433,6 +556,12 @@ def add_convert_parser(commands, common) -> Parser:
     parser.add_argument("--ignore-field", action="append", metavar="NAME",
                         help="Motif-2 only: a config.json field you have checked does not change the outputs "
                              "(the converter refuses set fields it does not know); repeatable")
+    parser.add_argument("--expand-noise-heads", action="store_true",
+                        help="Motif-2-12.7B only: write plain DIFF, each grouped noise head copied to every head of "
+                             "its group (more parameters; for servers and tools without grouped noise heads)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the saved model in OUT, the whole folder (refused without it)")
+    parser.set_defaults(check=check_convert_args)
     return parser
 
 

@@ -7,7 +7,8 @@ linear decay to 0; no token is seen twice. Both families get the same initialisa
 initialisation the learning rate is picked by a small sweep (one seed, a quarter of the budget); then it is trained
 with paired seeds (same initialisation seed and same batch order per seed) and evaluated at ~10 log-spaced token
 counts (validation loss on a fixed held-out set; training loss averaged since the previous point, on batches not
-seen before). The headline compares each family at its best initialisation; the controls (CONTROLS) run on DIFF's.
+seen before). The headline compares each family at its best initialisation; the controls (CONTROLS) run on DIFF's:
+`--controls plus,frozen` trains only those two (the subtraction's controls) and reports the others from stored runs.
 
 The fit L(T) = E + A * T^-alpha per model, with a bootstrap over seeds (pairs resampled together), gives the token
 ratio at matched loss: the tokens DIFF needs to reach the loss Llama reaches at the end of training, divided by
@@ -22,6 +23,7 @@ tokens, vocabulary 256), cut into blocks of `--context` bytes, the blocks shuffl
     python benchmarks/lm_scaling.py --jobs 2          # sweeps + runs (resumable), then results.json and report.md
     python benchmarks/lm_scaling.py --quick           # the same pipeline at toy size, in about a minute
     python benchmarks/lm_scaling.py --from-saved      # report.md again from results.json, no training
+    python benchmarks/lm_scaling.py --jobs 2 --controls plus,frozen   # the subtraction's controls only
 
 Each finished run is stored in OUTPUT_DIR/runs under a key of its settings and the corpus content hash; a later
 call skips it, so a stopped sweep resumes (an unfinished run restarts from its beginning).
@@ -91,9 +93,15 @@ def blocks(data: bytes, context: int, val_blocks: int) -> tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------------------- models
-CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN", "DIFF-V2")  # each with its own LR sweep
-CONTROL_CONFIG = {"DIFF-lambda0": dict(lambda_init=0.0, lambda_std_dev=0.0),  # zero vectors get no gradient
+CONTROLS = ("Llama-h", "DIFF-2h", "DIFF-lambda0", "DIFF-noSubLN", "DIFF-V2", "DIFF-plus",
+            "DIFF-lambda-frozen")  # each with its own LR sweep
+# zero lambda vectors get no gradient (d exp(<q, k>) / dq = exp(<q, k>) k = 0): lambda stays at lambda_init
+CONTROL_CONFIG = {"DIFF-lambda0": dict(lambda_init=0.0, lambda_std_dev=0.0),
+                  "DIFF-lambda-frozen": dict(lambda_std_dev=0.0),
                   "DIFF-noSubLN": dict(use_subln=False), "DIFF-V2": dict(diff_version=2)}
+# the names `--controls` takes
+CONTROL_KEYS = {"llama-h": "Llama-h", "2h": "DIFF-2h", "lambda0": "DIFF-lambda0", "nosubln": "DIFF-noSubLN",
+                "v2": "DIFF-V2", "plus": "DIFF-plus", "frozen": "DIFF-lambda-frozen"}
 # Initialisations offered to both families alike, on top of Hugging Face's Llama init (N(0, 0.02), tied embeddings):
 # token embeddings multiplied by sqrt(hidden) in the forward (Gemma; the first author's YOCO code), and the output
 # projections of each block (o_proj, down_proj) scaled by 1/sqrt(2 layers) at init (GPT-2, Megatron).
@@ -109,12 +117,14 @@ def head_layout(name: str, cfg: dict) -> tuple[str, int, int]:
     controls swap that at the same projection shapes (Llama-h: h heads of dim 2d; DIFF-2h: 2h heads of dim d/2);
     DIFF-lambda0 is DIFF with lambda held at 0, its first branch alone (softmax, values 2d, SubLN); DIFF-noSubLN is
     DIFF without the per-head RMSNorm and its (1 - lambda_init) scale; DIFF-V2 has Llama's 2h heads of dim d for
-    keys, values and output, its queries doubled (each head's pair of maps) and a per-token lambda projection."""
+    keys, values and output, its queries doubled (each head's pair of maps) and a per-token lambda projection;
+    DIFF-plus is DIFF with A1 + lambda A2 (`flip_lambda_sign`); DIFF-lambda-frozen is DIFF with lambda fixed at
+    lambda_init (zero lambda vectors, which get no gradient)."""
     d = cfg["head_dim"]
     h = cfg["hidden"] // (2 * d)
     return {"DIFF": ("DIFF", h, d), "Llama": ("Llama", 2 * h, d), "Llama-h": ("Llama", h, 2 * d),
             "DIFF-2h": ("DIFF", 2 * h, d // 2), "DIFF-lambda0": ("DIFF", h, d), "DIFF-noSubLN": ("DIFF", h, d),
-            "DIFF-V2": ("DIFF", 2 * h, d)}[name]
+            "DIFF-V2": ("DIFF", 2 * h, d), "DIFF-plus": ("DIFF", h, d), "DIFF-lambda-frozen": ("DIFF", h, d)}[name]
 
 
 def build_model(name: str, cfg: dict, seed: int, init: str = BASE_INIT) -> torch.nn.Module:
@@ -134,10 +144,25 @@ def build_model(name: str, cfg: dict, seed: int, init: str = BASE_INIT) -> torch
         config = DiffConfig(**shared, num_attention_heads=heads, head_dim=head_dim, embedding_multiplier=1.0,
                             **CONTROL_CONFIG.get(name, {}))
         model = DiffForCausalLM._from_config(config, attn_implementation="sdpa")
+        if name == "DIFF-plus":
+            flip_lambda_sign(model)
     else:
         config = LlamaConfig(**shared, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
         model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     return apply_init(model, init)
+
+
+def flip_lambda_sign(model: torch.nn.Module) -> torch.nn.Module:
+    """DIFF-plus: each layer's lambda negated where its attention reads it, so that every head computes
+    (A1 + lambda A2) V with DIFF's parameters, initialisation and gradient flow: only the sign differs. A forward hook
+    on the benchmark's own model; the package's code is unchanged. Inside `frozen_lambdas` (generate), which stores
+    the module's hooked output and then returns it, the stored value passes unchanged."""
+    from diff_transformer.diff_lambda import DiffLambda
+
+    for module in model.modules():
+        if isinstance(module, DiffLambda):
+            module.register_forward_hook(lambda module, args, out: out if module.frozen is not None else -out)
+    return model
 
 
 def apply_init(model: torch.nn.Module, init: str) -> torch.nn.Module:
@@ -148,7 +173,13 @@ def apply_init(model: torch.nn.Module, init: str) -> torch.nn.Module:
             for name, param in model.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     param.mul_((2 * layers) ** -0.5)
-    if spec["embed_sqrt"]:
+    return scale_embeddings(model, init)
+
+
+def scale_embeddings(model: torch.nn.Module, init: str) -> torch.nn.Module:
+    """The forward part of `INITS[init]`: with `embed_sqrt`, the token embeddings multiplied by sqrt(hidden) by a
+    forward hook. A model saved and loaded again needs it again (its weights carry the rest of the initialisation)."""
+    if INITS[init]["embed_sqrt"]:
         scale = math.sqrt(model.config.hidden_size)
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * scale)
     return model
@@ -208,10 +239,21 @@ def write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
+def run_path(out: Path, settings: dict) -> Path:
+    """Where the run of `settings` is stored: OUTPUT_DIR/runs/<model>-<hash of the settings>.json."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return out / "runs" / f"{settings['model']}-{key}.json"
+
+
+def stored_run(out: Path, settings: dict) -> dict | None:
+    """The stored run of `settings`, None when it has not been trained."""
+    path = run_path(out, settings)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def cached_run(out: Path, settings: dict, compute) -> dict:
     """A run stored under the hash of its settings (which hold the corpus hash), computed and stored when missing."""
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    path = out / "runs" / f"{settings['model']}-{key}.json"
+    path = run_path(out, settings)
     if path.is_file():
         return json.loads(path.read_text())
     run = {"settings": settings, **compute()}
@@ -434,9 +476,28 @@ def init_lines(results: dict) -> list[str]:
 
 CONTROL_PAIRS = (("DIFF", "Llama-h", "both with h heads"), ("DIFF-2h", "Llama", "both with 2h heads"),
                  ("Llama-h", "Llama", "Llama, h heads against 2h"), ("DIFF-2h", "DIFF", "DIFF, 2h heads against h"),
-                 ("DIFF", "DIFF-lambda0", "lambda learned against held at 0"),
+                 ("DIFF", "DIFF-lambda0", "lambda learned against held at 0: the second branch disabled"),
+                 ("DIFF", "DIFF-plus", "A1 - lambda A2 against A1 + lambda A2: the sign alone"),
+                 ("DIFF", "DIFF-lambda-frozen", "lambda learned against fixed at lambda_init"),
                  ("DIFF", "DIFF-noSubLN", "SubLN against none"), ("DIFF-noSubLN", "Llama-h", "both with h heads"),
                  ("DIFF-V2", "DIFF", "DIFF V2 against V1"), ("DIFF-V2", "Llama", "DIFF V2 against Llama"))
+
+
+# What each control changes, for the report (shown for the controls a results.json holds).
+CONTROL_TEXT = {
+    "Llama-h": "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h "
+               "give each model the other's head count at the same projection shapes.",
+    "DIFF-lambda0": "DIFF-lambda0 holds lambda at 0 (lambda_init 0 and zero lambda vectors, which get no gradient): "
+                    "its second branch disabled, so that branch's queries and keys get no gradient either; it does "
+                    "not isolate the subtraction.",
+    "DIFF-noSubLN": "DIFF-noSubLN drops the per-head RMSNorm and its (1 - lambda_init) scale.",
+    "DIFF-V2": "DIFF-V2 (`diff_version=2`, no SubLN by design) has Llama's 2h heads for keys, values and output and "
+               "twice its query rows.",
+    "DIFF-plus": "DIFF-plus computes A1 + lambda A2 with DIFF's parameters, initialisation and gradient flow: only "
+                 "the sign differs.",
+    "DIFF-lambda-frozen": "DIFF-lambda-frozen fixes lambda at lambda_init (zero lambda vectors): it differs from DIFF "
+                          "in the gradient of its 4 lambda vectors per layer only (they get none).",
+}
 
 
 def control_lines(results: dict) -> list[str]:
@@ -450,12 +511,8 @@ def control_lines(results: dict) -> list[str]:
     lrs = {m: results["studies"]["inits"][chosen][m]["lr"] for m in MODELS}
     lrs |= {m: results["studies"]["controls"][m]["lr"] for m in names}
     lines = ["", f"## Controls, on `{chosen}`", "",
-             "DIFF has half Llama's attention maps (h differential heads against 2h heads): Llama-h and DIFF-2h give "
-             "each model the other's head count at the same projection shapes. DIFF-lambda0 holds lambda at 0 "
-             "(lambda_init 0 and zero lambda vectors, which get no gradient): DIFF's first branch alone. DIFF-noSubLN "
-             "drops the per-head RMSNorm and its (1 - lambda_init) scale. DIFF-V2 (`diff_version=2`, no SubLN by "
-             "design) has Llama's 2h heads for keys, values and output and twice its query rows. Each control has "
-             "its own learning-rate sweep:", "",
+             " ".join(text for m, text in CONTROL_TEXT.items() if m in names) + " Each control has its own "
+             "learning-rate sweep:", "",
              "| model | heads x q/k dim | parameters | LR | final val loss per seed | mean +- sd |",
              "|---|---|---|---|---|---|"]
     for m in (*MODELS, *names):
@@ -662,10 +719,11 @@ def unreported_runs(out: Path, results: dict) -> list[dict]:
 
 
 def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int,
-            with_controls: bool = True) -> dict:
+            with_controls: bool = True, train_controls: tuple[str, ...] = CONTROLS) -> dict:
     """Every initialisation for both families (each with its own learning-rate sweep, then every seed); the
-    initialisation with DIFF's lowest mean final loss is the chosen one; the controls run on it, each with its own
-    sweep. Runs go to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
+    initialisation with DIFF's lowest mean final loss is the chosen one; the `train_controls` run on it, each with its own
+    sweep, and the other controls are reported where every run of theirs is stored already (none is trained). Runs go
+    to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
     corpus, _, _ = load_blocks(cfg, corpus_dir, fetch=True)
     print(f"corpus: {corpus['bytes']:,} byte tokens", flush=True)
     model_cfg = {k: cfg[k] for k in ("hidden", "layers", "head_dim", "context", "batch", "points", "val_blocks",
@@ -686,29 +744,44 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, thre
         work = [(out, settings(*spec)) for spec in specs]
         return pool.map(worker_run, work, chunksize=1) if pool else [worker_run(job) for job in work]
 
+    def stored(specs: list[tuple]) -> list[dict | None]:
+        return [stored_run(out, settings(*spec)) for spec in specs]
+
     sweep_steps = max(2, round(cfg["steps"] * cfg["sweep_fraction"]))
 
-    def study(names: list[str], inits: list[str]) -> dict:
-        """{init: {name: {"lr", "sweep": {lr: run}, "seeds": {seed: run}}}}: a sweep, then every seed at its best."""
+    def study(names: list[str], inits: list[str], runs=many) -> dict:
+        """{init: {name: {"lr", "sweep": {lr: run}, "seeds": {seed: run}}}}: a sweep, then every seed at its best.
+        `runs` gives the runs of specs (`many` trains the missing ones, `stored` gives None for them)."""
         pairs = [(init, m) for init in inits for m in names]
         specs = [(m, init, lr, 0, sweep_steps) for init, m in pairs for lr in cfg["lrs"]]
-        done = iter(many(specs))
+        done = iter(runs(specs))
         found = {init: {m: {"sweep": {f"{lr:g}": next(done) for lr in cfg["lrs"]}} for m in names} for init in inits}
         for init, m in pairs:
             found[init][m]["lr"] = best_lr(cfg, found[init][m]["sweep"])
         specs = [(m, init, found[init][m]["lr"], s, cfg["steps"]) for init, m in pairs for s in cfg["seeds"]]
-        done = iter(many(specs))
+        done = iter(runs(specs))
         for init, m in pairs:
             found[init][m]["seeds"] = {str(s): next(done) for s in cfg["seeds"]}
         print("learning rates: " + ", ".join(f"{m} ({i}) {found[i][m]['lr']:g}" for i, m in pairs), flush=True)
         return found
+
+    def stored_study(name: str, init: str) -> dict | None:
+        """A control's study from stored runs alone; None when one of its runs is missing."""
+        if None in stored([(name, init, lr, 0, sweep_steps) for lr in cfg["lrs"]]):
+            return None
+        entry = study([name], [init], runs=stored)[init][name]
+        return None if None in entry["seeds"].values() else entry
 
     try:
         inits = study(list(MODELS), list(INITS))
         chosen = min(INITS, key=lambda init: mean_final(inits[init]["DIFF"]["seeds"]))
         best = {m: min(INITS, key=lambda init: mean_final(inits[init][m]["seeds"])) for m in MODELS}
         print(f"chosen initialisation (DIFF's lowest mean final loss): {chosen}; per family: {best}", flush=True)
-        controls = study(list(CONTROLS), [chosen])[chosen] if with_controls else {}
+        found = {}
+        if with_controls:
+            found = study([m for m in CONTROLS if m in train_controls], [chosen])[chosen]
+            found |= {m: entry for m in CONTROLS if m not in found and (entry := stored_study(m, chosen))}
+        controls = {m: found[m] for m in CONTROLS if m in found}
     finally:
         if pool:
             pool.close()
@@ -720,6 +793,15 @@ def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, thre
             "runs": {"main": {m: inits[best[m]][m]["seeds"] for m in MODELS},
                      "controls": {m: controls[m]["seeds"] for m in controls}},
             "studies": {"inits": inits, "controls": controls}}
+
+
+def control_names(value: str) -> tuple[str, ...]:
+    """`--controls plus,frozen` -> ("DIFF-plus", "DIFF-lambda-frozen"); an unknown name is refused."""
+    keys = [key.strip().lower() for key in value.split(",") if key.strip()]
+    if unknown := [key for key in keys if key not in CONTROL_KEYS]:
+        raise argparse.ArgumentTypeError(f"unknown control {', '.join(unknown)}: give some of "
+                                         + ", ".join(CONTROL_KEYS))
+    return tuple(CONTROL_KEYS[key] for key in keys)
 
 
 def main() -> None:
@@ -735,6 +817,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("--without-controls", action="store_true",
                         help="the initialisation study and the result only (the controls take about as long again)")
+    parser.add_argument("--controls", type=control_names, default=CONTROLS, metavar="NAME,...",
+                        help="train only these controls (" + ", ".join(CONTROL_KEYS) + "); the others are reported "
+                        "where all their runs are stored. Default: all")
     parser.add_argument("--steps", type=int, default=None, help="training steps per main run (overrides the default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="paired seeds (default 0 1 2 3)")
     args = parser.parse_args()
@@ -751,7 +836,8 @@ def main() -> None:
             cfg["steps"] = args.steps
         if args.seeds:
             cfg["seeds"] = args.seeds
-        results = run_all(cfg, out, args.corpus_dir, args.quick, args.jobs, args.threads, not args.without_controls)
+        results = run_all(cfg, out, args.corpus_dir, args.quick, args.jobs, args.threads, not args.without_controls,
+                          args.controls)
         results["unreported_runs"] = unreported_runs(out, results)
         results["command"] = shlex.join(["python", "benchmarks/lm_scaling.py", *sys.argv[1:]])
         write_json(out / "results.json", results)

@@ -18,6 +18,14 @@ the same seeds, reported as mean and spread over seeds.
     python benchmarks/paper_small.py --tasks retrieval --from-saved  # recompute the report from the stored models
     python benchmarks/paper_small.py --quick         # the same pipeline at toy size, in about a minute
     python benchmarks/paper_small.py --device cuda --hidden 256 --layers 6 ...  # scaled up on a GPU
+    python benchmarks/paper_small.py --study --jobs 2  # every family at every initialisation, own LR sweeps
+    python benchmarks/paper_small.py --init embed-sqrt  # every family from one initialisation (default llama)
+
+`--study` puts the families on benchmarks/lm_scaling.py's footing: its initialisations (INITS, by its `apply_init`,
+the same code for every family), for each family and initialisation a learning-rate sweep, then every seed at the
+best rate; the report gives every family at every initialisation and each at its best, with the paired
+differences to Llama (mean, sd, 90% t interval: lm_scaling's functions). Reports in benchmarks/paper_small/study/
+<task> (benchmarks/paper_small/README.md: the command for the full table and its cost).
 
 Writes OUTPUT_DIR/report.md, results.json and the figures accuracy.png and attention_maps.png (retrieval) and
 loss.png (text); OUTPUT_DIR is benchmarks/paper_small/<task> unless given. Runs go to `--jobs` processes; each
@@ -31,10 +39,12 @@ evaluation with the same result.
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
 import multiprocessing
 import random
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -77,10 +87,31 @@ from diff_transformer.tools.evaluation import (
 )
 from diff_transformer.tokenization_diff import train_bpe_tokenizer
 
+
+
+def sibling(name: str):
+    """The benchmark script `name`.py beside this one, as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lm_scaling = sibling("lm_scaling")  # the initialisations (INITS, apply_init) and the paired statistics
 MODELS = ("DIFF", "DiffLlama", "Transformer")
+SHOWN = {"DIFF": "DIFF", "DiffLlama": "DiffLlama", "Transformer": "Llama"}
 INITIALISATION = ("initialisation: every model trained with Llama's initialisation (unscaled embeddings: DIFF's "
                   "`embedding_multiplier=1.0`); the package's default now scales DIFF's embeddings by sqrt(hidden), "
                   "see the single-epoch benchmark (benchmarks/lm_scaling)")
+
+
+def initialisation_note(init: str) -> str:
+    """The report's line on how every model was initialised."""
+    if init == lm_scaling.BASE_INIT:
+        return INITIALISATION
+    return (f"initialisation: every model trained with `{init}` on top of Llama's initialisation (benchmarks/"
+            f"lm_scaling.py's INITS, applied to every family by the same code: {lm_scaling.INITS[init]}; DIFF's "
+            "`embedding_multiplier=1.0`, its embeddings scaled by the same hook as the others')")
 DEPTHS = [0, 25, 50, 75, 100]
 QUICK = dict(seeds=[0, 1], steps=40, batch=16, text_steps=40, long_steps=80, hidden=32, layers=2, heads=1,
              examples=160, context=64, needles=2, queries=1, eval_samples=2, curve_points=2, text_block=64, jobs=1,
@@ -458,8 +489,9 @@ def save_model(model, tokenizer, folder: Path) -> str:
 
 
 def load_saved(folder: Path, args: argparse.Namespace, attention: str = "sdpa"):
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention, dtype=torch.float32).to(
-        args.device).eval()
+    """A run's saved model in fp32, with its initialisation's embedding scale (a hook, not in the weights)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention, dtype=torch.float32)
+    return lm_scaling.scale_embeddings(model, args.init).to(args.device).eval()
 
 
 class SavedRunError(RuntimeError):
@@ -504,7 +536,7 @@ def from_saved(unit: tuple) -> dict:
         raise SavedRunError(f"{stored_path(unit).name}: the data built now differs from the run's (checksum "
                             f"{data_digest(train_data)} vs {row['data']}); use the settings and files it was run with")
     print(f"{task} {name} seed {seed}: recomputing from {model_path(unit).name}", flush=True)
-    return {**row, **measure(task, model_path(unit), tokenizer, val, args)}
+    return {**row, **measure(task, model_path(unit), tokenizer, val, args)} if args.figures else row
 
 
 
@@ -515,16 +547,20 @@ def run_unit(unit: tuple) -> dict:
     torch.set_num_threads(args.threads)
     tokenizer, train_data, val = retrieval_data(args) if task == "retrieval" else text_data(args)
     set_seed(seed)
-    model = build_models(len(tokenizer), args)[name].to(args.device)
+    model = lm_scaling.apply_init(build_models(len(tokenizer), args)[name], args.init).to(args.device)
     curve, seconds = train(task, model, tokenizer, (train_data, val), args, seed, steps, partial_path(unit))
     row = {"task": task, "model": name, "seed": seed, "steps": steps, "params": model.num_parameters(),
            "data": data_digest(train_data), "curve": curve, **curve[-1], "seconds": seconds,
-           "best_val_loss": min(p["val_loss"] for p in curve)}
+           "best_val_loss": min(p["val_loss"] for p in curve), "init": args.init,
+           "lr": args.lr if task == "retrieval" else args.text_lr}
     row["model_sha256"] = save_model(model, tokenizer, model_path(unit))
-    row.update(measure(task, model_path(unit), tokenizer, val, args))
+    if args.figures:  # a sweep run keeps the figures of its last evaluation along training only
+        row.update(measure(task, model_path(unit), tokenizer, val, args))
     print(f"{task} {name} seed {seed} ({steps} steps, {row['seconds']:.0f}s): val loss {row['val_loss']:.3f}"
-          + (f", accuracy {row['accuracy']:.3f}, answer {row['answer']:.3f}, noise {row['noise']:.3f}; accuracy "
-             f"along training {[round(p['accuracy'], 3) for p in curve]}" if task == "retrieval" else ""), flush=True)
+          + (f", accuracy {row['accuracy']:.3f}" if task == "retrieval" else "")
+          + (f", answer {row['answer']:.3f}, noise {row['noise']:.3f}" if "answer" in row else "")
+          + (f"; accuracy along training {[round(p['accuracy'], 3) for p in curve]}" if task == "retrieval" else ""),
+          flush=True)
     return row
 
 
@@ -561,7 +597,7 @@ def run_all(plan: list[tuple], jobs: int) -> Iterator[dict]:
 # Settings that change no run's result (`quick` only sets others), and those only one task reads: a stored run is
 # reused whatever they are.
 RUN_INDEPENDENT = ("seeds", "models", "tasks", "jobs", "threads", "output_dir", "calibrate", "calibrate_needles",
-                   "quick", "from_saved")
+                   "quick", "from_saved", "study", "inits", "lrs", "text_lrs", "sweep_fraction", "figures", "init")
 TEXT_ONLY = ("data", "text_steps", "long_steps", "text_batch", "text_lr", "text_block")
 RETRIEVAL_ONLY = ("steps", "batch", "lr", "schedule", "context", "needles", "queries", "digits", "examples",
                   "eval_samples")
@@ -584,6 +620,8 @@ def stored_path(unit: tuple) -> Path:
     settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in ignored}
     if "data" in settings:
         settings["data"] = file_sha256(args.data.resolve())
+    if args.init != lm_scaling.BASE_INIT:  # runs of Llama's initialisation keep their earlier names
+        settings["init"] = args.init
     digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:10]
     return args.output_dir / "runs" / f"{task}-{name}-seed{seed}-{digest}.pt"
 
@@ -910,7 +948,8 @@ def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
         digest = file_sha256(args.data.resolve()) if args.data.is_file() else None
         settings["data"] = (f"{KNOWN_CORPORA.get(digest, 'a text file')} (sha256 {digest})" if digest
                             else f"{args.data.name} (not found: no text runs)")
-    report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n{INITIALISATION}\n\n"
+    report = (f"# DIFF vs DiffLlama vs Transformer, small scale\n\nsettings: {settings}\n\n"
+              f"{initialisation_note(args.init)}\n\n"
               f"run time: the {len(rows)} runs took {sum(r['seconds'] for r in rows) / 60:.1f} min of one process "
               f"each to train and measure\n\n"
               f"{summarize(rows)}\n{paper_tables(rows)}")
@@ -930,6 +969,142 @@ def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
         plot_curves(rows, [(t, "val_loss", title) for t, title in (("text", "Text validation loss"),
                                                                      ("text-long", "Text validation loss, long run"))
                            if t in tasks], args.output_dir / "loss.png")
+    return report
+
+
+# --- the study: every family at every initialisation, each with its own learning-rate sweep (as lm_scaling does) ---
+
+STUDY_ROOT = OUTPUT_ROOT / "study"  # one folder per task; runs/ there is not committed (.gitignore: runs/)
+# The figures a study reports per task: (row field, title, which is better); the first picks each family's best
+# initialisation. The learning rate is picked by the final validation loss of the sweep run on both tasks.
+STUDY_METRICS = {"text": [("val_loss", "validation loss", min)],
+                 "retrieval": [("accuracy", "retrieval accuracy", max), ("val_loss", "validation loss", min)]}
+
+
+def run_args(args: argparse.Namespace, init: str, lr: float, steps: int | None = None,
+             figures: bool = True) -> argparse.Namespace:
+    """A copy of `args` for one run of the study (of its task, args.tasks[0]): its initialisation, learning rate and,
+    for a sweep run, its step budget; `figures` False skips the §3.8 and attention figures (`measure`)."""
+    task = args.tasks[0]
+    budget = {"lr": lr} if task == "retrieval" else {"text_lr": lr}
+    if steps is not None:
+        budget |= {"steps": steps} if task == "retrieval" else {"text_steps": steps}
+    return argparse.Namespace(**{**vars(args), **budget, "init": init, "figures": figures})
+
+
+def run_rows(plan: list[tuple], args: argparse.Namespace) -> list[dict]:
+    """The rows of `plan`: trained (or loaded from the store), or with --from-saved recomputed from the saved models."""
+    rows = [from_saved(u) for u in plan] if args.from_saved else run_or_load(plan, args.jobs)
+    check_same_data(rows)
+    return rows
+
+
+def study(args: argparse.Namespace) -> dict:
+    """One task (args.tasks[0]): for every initialisation in args.inits and every family, a learning-rate sweep
+    (seed args.seeds[0], args.sweep_fraction of the budget, picked by final validation loss), then every seed at the
+    best rate; for text, the long run (seed args.seeds[0]) of each family at its best initialisation. Every run is
+    stored under its settings (`stored_path`), so a stopped study resumes and one split across machines (say by
+    --inits or --models) joins by copying the runs/ folders together."""
+    task = args.tasks[0]
+    full = args.steps if task == "retrieval" else args.text_steps
+    grid = args.lrs if task == "retrieval" else args.text_lrs
+    sweep_steps = max(2, round(full * args.sweep_fraction))
+    pairs = [(init, m) for init in args.inits for m in args.models]
+    plan = [(task, m, args.seeds[0], sweep_steps, run_args(args, init, lr, sweep_steps, figures=False))
+            for init, m in pairs for lr in grid]
+    swept = run_rows(plan, args)
+    done = iter(swept)
+    sweep = {init: {m: {f"{lr:g}": next(done)["val_loss"] for lr in grid} for m in args.models} for init in args.inits}
+    lrs = {init: {m: min(grid, key=lambda lr: sweep[init][m][f"{lr:g}"]) for m in args.models} for init in args.inits}
+    plan = [(task, m, s, full, run_args(args, init, lrs[init][m])) for init, m in pairs for s in args.seeds]
+    rows = run_rows(plan, args)
+    field, _, better = STUDY_METRICS[task][0]
+    best = {m: better(args.inits, key=lambda init: statistics.mean(
+        r[field] for r in rows if r["model"] == m and r["init"] == init)) for m in args.models}
+    if task == "text" and args.long_steps:
+        rows += run_rows([("text-long", m, args.seeds[0], args.long_steps, run_args(args, best[m], lrs[best[m]][m]))
+                          for m in args.models], args)
+    return {"task": task, "grid": grid, "sweep_steps": sweep_steps, "sweep": sweep, "lr": lrs, "best_init": best,
+            "sweep_seconds": sum(r["seconds"] for r in swept),
+            "rows": [{k: v for k, v in r.items() if k != "figure"} for r in rows]}
+
+
+def study_cells(runs: list[dict], field: str) -> str:
+    """Per seed (seed order), then mean ± sd."""
+    values = [r[field] for r in sorted(runs, key=lambda r: r["seed"])]
+    spread = lm_scaling.spread(values)
+    return ", ".join(f"{v:.3f}" for v in values) + f" | {spread['mean']:.3f} ± {spread['sd']:.3f}"
+
+
+def against_llama(runs: list[dict], llama: list[dict], field: str, what: str) -> str:
+    """`runs` - `llama` per seed (paired: same seed, same batch order): mean ± sd [90% t interval]: verdict."""
+    if not llama or runs == llama:
+        return ""
+    a, b = ([r[field] for r in sorted(group, key=lambda r: r["seed"])] for group in (runs, llama))
+    if len(a) < 2:
+        return ", ".join(f"{x - y:+.3f}" for x, y in zip(a, b))
+    return f"{lm_scaling.paired_gap(a, b)}: {lm_scaling.gap_verdict(a, b, (what, 'Llama'))}"
+
+
+def study_report(found: dict, args: argparse.Namespace, command: str) -> str:
+    """The study's report.md, from `study`'s results."""
+    task, rows, lrs, best = found["task"], found["rows"], found["lr"], found["best_init"]
+    main = [r for r in rows if r["task"] == task]
+    runs = lambda m, init: [r for r in main if r["model"] == m and r["init"] == init]
+    names = [SHOWN[m] for m in args.models]
+    shown = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    lines = [f"# {shown} on {task}, every initialisation with its own learning-rate sweep", "",
+             f"Generated by `{command}`.", "",
+             f"Every family at each initialisation of benchmarks/lm_scaling.py ({', '.join(args.inits)}), applied to "
+             "all alike by the same code; for each family and initialisation the learning rate is picked from "
+             f"{', '.join(f'{lr:g}' for lr in found['grid'])} by the final validation loss after {found['sweep_steps']}"
+             f" steps ({args.sweep_fraction:.0%} of the budget, seed {args.seeds[0]}); then seeds "
+             f"{', '.join(map(str, args.seeds))} at that rate, paired (same initialisation seed and batch order). "
+             "Differences to Llama are per seed, mean ± sd and the 90% t interval of the mean. Each family's best "
+             f"initialisation is the one with the best mean {STUDY_METRICS[task][0][1]}.", "",
+             "## Learning-rate sweeps (final validation loss)", "",
+             "| LR | " + " | ".join(f"{SHOWN[m]} {i}" for i in args.inits for m in args.models) + " |",
+             "|---|" + "---|" * len(args.inits) * len(args.models)]
+    for lr in found["grid"]:
+        lines.append(f"| {lr:g} | " + " | ".join(f"{found['sweep'][i][m][f'{lr:g}']:.3f}" for i in args.inits
+                                                 for m in args.models) + " |")
+    edges = [f"{SHOWN[m]} {i}" for i in args.inits for m in args.models if lrs[i][m] in (min(found["grid"]),
+                                                                                          max(found["grid"]))]
+    lines += ["", f"The best learning rate is at the edge of the grid for {', '.join(edges)}."] if edges else []
+    for field, title, _ in STUDY_METRICS[task]:
+        lines += ["", f"## {title[0].upper() + title[1:]}, every family at every initialisation", "",
+                  f"| initialisation | model | LR | {title} per seed | mean ± sd | - Llama, same initialisation |",
+                  "|---|---|---|---|---|---|"]
+        for init in args.inits:
+            llama = runs("Transformer", init)
+            lines += [f"| {init} | {SHOWN[m]} | {lrs[init][m]:g} | {study_cells(runs(m, init), field)} | "
+                      f"{against_llama(runs(m, init), llama, field, SHOWN[m])} |" for m in args.models]
+        lines += ["", f"Each family at its best initialisation (by {STUDY_METRICS[task][0][1]}), {title}:", "",
+                  f"| model | initialisation | LR | {title} per seed | mean ± sd | - Llama, each at its best |",
+                  "|---|---|---|---|---|---|"]
+        llama = runs("Transformer", best["Transformer"]) if "Transformer" in best else []
+        lines += [f"| {SHOWN[m]} | {best[m]} | {lrs[best[m]][m]:g} | {study_cells(runs(m, best[m]), field)} | "
+                  f"{against_llama(runs(m, best[m]), llama, field, SHOWN[m])} |" for m in args.models]
+    long = sorted((r for r in rows if r["task"] == "text-long"), key=lambda r: MODELS.index(r["model"]))
+    if long:
+        lines += ["", f"## The long run ({long[0]['steps']:,} steps, seed {long[0]['seed']}), each family at its best "
+                  "initialisation", "", "| model | initialisation | LR | validation loss at the end | best along "
+                  "training | step of the best |", "|---|---|---|---|---|---|"]
+        lines += [f"| {SHOWN[r['model']]} | {r['init']} | {r['lr']:g} | {r['val_loss']:.3f} | {r['best_val_loss']:.3f}"
+                  f" | {min(r['curve'], key=lambda p: p['val_loss'])['step']:,} |" for r in long]
+    lines += ["", f"Run time, one process each on the CPU it ran on (no GPU figure): the {len(rows)} runs above "
+              f"{sum(r['seconds'] for r in rows) / 3600:.2f} hours, the sweep runs {found['sweep_seconds'] / 3600:.2f} "
+              "hours.", ""]
+    return "\n".join(lines)
+
+
+def run_study(args: argparse.Namespace, command: str) -> str:
+    """`study` of one task, written to args.output_dir: report.md and results.json; `command` made it."""
+    found = study(args)
+    report = study_report(found, args, command)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "report.md").write_text(report)
+    (args.output_dir / "results.json").write_text(json.dumps({**found, "command": command}, indent=1))
     return report
 
 
@@ -988,13 +1163,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"reports and runs); --calibrate: {OUTPUT_ROOT}; --quick: {QUICK['output_dir']}")
     parser.add_argument("--from-saved", action="store_true", help="train nothing: recompute every reported number "
                         "from the runs' saved models (checksums checked) and write the same report")
+    parser.add_argument("--init", choices=lm_scaling.INITS, default=lm_scaling.BASE_INIT,
+                        help="initialisation of every family (benchmarks/lm_scaling.py's INITS; default llama)")
+    parser.add_argument("--study", action="store_true", help="every family at every --inits, each with its own "
+                        f"learning-rate sweep, then every seed; reports in {STUDY_ROOT}/<task> unless --output-dir "
+                        "(then OUTPUT_DIR/<task>)")
+    parser.add_argument("--inits", nargs="+", choices=lm_scaling.INITS, default=list(lm_scaling.INITS),
+                        help="--study: the initialisations (default all)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3],
+                        help="--study: the learning rates swept on retrieval")
+    parser.add_argument("--text-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3],
+                        help="--study: the learning rates swept on text")
+    parser.add_argument("--sweep-fraction", type=float, default=0.25, help="--study: a sweep run's share of the budget")
     if parser.parse_known_args(argv)[0].quick:  # explicit flags still override the quick defaults
         parser.set_defaults(**QUICK)
-    return parser.parse_args(argv)
+    return argparse.Namespace(**vars(parser.parse_args(argv)), figures=True)
 
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
+    if args.study:
+        if "text" in args.tasks and not args.data.is_file():
+            print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")
+            args.tasks = [t for t in args.tasks if t != "text"]
+        root = args.output_dir or STUDY_ROOT  # --quick: its folder
+        command = shlex.join(["python", "benchmarks/paper_small.py", *(sys.argv[1:] if argv is None else argv)])
+        return "\n".join(run_study(argparse.Namespace(**{**vars(args), "tasks": [task], "output_dir": root / task}),
+                                   command) for task in args.tasks)
     if args.output_dir is None and not args.calibrate:
         if "text" in args.tasks and not args.data.is_file() and args.tasks != ["text"]:
             print(f"skipping the text experiment: {args.data} not found (pass --data FILE)")

@@ -222,6 +222,7 @@ def paper_small_text(root: Path) -> str:
     by = {r["model"]: r for r in long}
     llama = by["Transformer"]
     lines = [
+        "Every model at Llama's initialisation (DIFF's embeddings unscaled) and one learning rate. "
         f"At {short[0]['steps']:,} steps ({seeds(short)}) the validation loss is DIFF {mean['DIFF']:.3f}, DiffLlama "
         f"{mean['DiffLlama']:.3f} and Llama {mean['Transformer']:.3f}. In the run of {long[0]['steps']:,} steps "
         f"({seeds(long)}), Llama reaches its best ({llama['best_val_loss']:.3f}) at step {best_step(llama):,} and ends "
@@ -245,13 +246,17 @@ def paper_small_retrieval(root: Path) -> str:
 
 CONTROL_SHOWN = {"Llama-h": "Llama with DIFF's head count ({heads} heads of dim {dim})",
                  "DIFF-2h": "DIFF with Llama's head count ({heads} heads of q/k dim {dim})",
-                 "DIFF-lambda0": "DIFF with lambda held at 0 (its first branch alone)",
+                 "DIFF-lambda0": "DIFF with lambda held at 0: its second branch disabled (no gradient to that "
+                                 "branch's queries and keys)",
+                 "DIFF-plus": "DIFF with A1 + lambda A2: only the sign changed",
+                 "DIFF-lambda-frozen": "DIFF with lambda fixed at lambda_init (its lambda vectors get no gradient)",
                  "DIFF-noSubLN": "DIFF without SubLN",
                  "DIFF-V2": "DIFF V2 ({heads} heads of dim {dim}, no SubLN by design)"}
 
 
 # paired by seed, at the chosen initialisation
-GAPS_SHOWN = (("DIFF", "Llama"), ("DIFF", "Llama-h"), ("DIFF", "DIFF-lambda0"), ("DIFF", "DIFF-noSubLN"),
+GAPS_SHOWN = (("DIFF", "Llama"), ("DIFF", "Llama-h"), ("DIFF", "DIFF-lambda0"), ("DIFF", "DIFF-plus"),
+              ("DIFF", "DIFF-lambda-frozen"), ("DIFF", "DIFF-noSubLN"),
               ("DIFF-noSubLN", "Llama-h"), ("DIFF-V2", "DIFF"), ("DIFF-V2", "Llama"))
 
 
@@ -337,33 +342,48 @@ def models_cell(runs: list[dict], get: Callable, digits: int = 3) -> str:
 
 
 def readme_summary(root: Path) -> str:
-    """The README's few lines of evidence: the headline figure of each experiment; the tables are in
-    docs/evaluation.md."""
+    """The README's few lines of evidence: the headline figure of each experiment, each line naming the
+    initialisation of both sides; the tables are in docs/evaluation.md."""
     (text_title, text), _, (retrieval_title, retrieval) = experiments(root)
     params = sorted({r["params"] for r in text + retrieval})
     module, results, stats = load_lm_scaling(root)
-    cfg, chosen = results["config"], results["chosen_init"]
+    cfg, chosen, best = results["config"], results["chosen_init"], results["best_init"]
     finals = module.final_losses(results, chosen)
     tokens = single_pass_tokens(results)
     seeds = ", ".join(map(str, cfg["seeds"]))
+    at = lambda init: f"`{init}`{' (the default)' if init == module.PACKAGE_DEFAULT else ''}"
     lines = [
         f"- Small-scale reproduction (`benchmarks/paper_small.py`, {params[0] / 1e6:.2f}-{params[-1] / 1e6:.2f}M "
-        "parameters, Llama's initialisation), mean ± sd over seeds:",
+        f"parameters), all three families at Llama's initialisation ({at(module.BASE_INIT)}: DIFF's embeddings "
+        "unscaled, not the package's default; one learning rate for all), mean ± sd over seeds:",
         f"  - {text_title}: validation loss {models_cell(text, lambda r: r['val_loss'])}",
         f"  - {retrieval_title}: accuracy {models_cell(retrieval, lambda r: r['accuracy'])}",
         f"  - {text_title}: top-1 / median hidden state (§3.8) "
         f"{models_cell(text, outlier('hidden states', 'top1 / median'), 1)}",
         f"- Single epoch (`benchmarks/lm_scaling.py`, {results['parameters']['DIFF']:,} parameters, one pass over "
-        f"{tokens:,} byte tokens, seeds {seeds} paired, initialisation `{chosen}`"
-        f"{' (the default)' if chosen == module.PACKAGE_DEFAULT else ''}):",
-        f"  - final validation loss, DIFF - Llama: {interval_cell(module, finals['DIFF'], finals['Llama'])}",
+        f"{tokens:,} byte tokens, seeds {seeds} paired, every model and initialisation with its own learning-rate "
+        "sweep):",
+        f"  - final validation loss, DIFF - Llama, both at {at(chosen)}: "
+        f"{interval_cell(module, finals['DIFF'], finals['Llama'])}",
     ]
-    if "DIFF-lambda0" in finals:
-        lines.append(f"  - final validation loss, DIFF - DIFF with lambda held at 0: "
-                     f"{interval_cell(module, finals['DIFF'], finals['DIFF-lambda0'])}")
-    lines.append(f"  - tokens DIFF needs for Llama's final loss, over Llama's: {ratio_cell(module, stats)}; "
-                 f"{PAPER_TOKEN_RATIO}")
+    if best["DIFF"] != chosen or best["Llama"] != chosen:
+        main = module.final_losses(results)
+        lines.append(f"  - final validation loss, DIFF - Llama, each at its best (DIFF `{best['DIFF']}`, Llama "
+                     f"`{best['Llama']}`): {interval_cell(module, main['DIFF'], main['Llama'])}")
+    for name, what in README_CONTROLS:
+        if name in finals:
+            lines.append(f"  - final validation loss, DIFF - {name} ({what}), both at {at(chosen)}: "
+                         f"{interval_cell(module, finals['DIFF'], finals[name])}")
+    lines.append(f"  - tokens DIFF needs for Llama's final loss, over Llama's, each at its best (DIFF "
+                 f"`{best['DIFF']}`, Llama `{best['Llama']}`): {ratio_cell(module, stats)}; {PAPER_TOKEN_RATIO}")
     return "\n".join(lines)
+
+
+# The controls the README quotes against DIFF, with what each changes.
+README_CONTROLS = (("DIFF-lambda0", "lambda held at 0: the second branch disabled, its queries and keys get no "
+                                    "gradient"),
+                   ("DIFF-plus", "A1 + lambda A2: only the sign changed"),
+                   ("DIFF-lambda-frozen", "lambda fixed at lambda_init, not learned"))
 
 
 SECTIONS: dict[str, Callable[[Path], str]] = {

@@ -26,7 +26,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_diff import DiffConfig
 from .diff_lambda import DiffLambda
-from .kernel_common import autocast_off, drop_unfilled_keys, masked_scores, split_branches, upcast
+from .kernel_common import autocast_off, drop_unfilled_keys, expand_noise, masked_scores, split_branches, upcast
 from .kernel_tiled import tiled_diff_attention, tiled_is_faster
 from .paged_cache import PAGED_EAGER
 
@@ -49,30 +49,41 @@ DIFF_FLASH = "diff_flash"  # the fused kernel's name as an `attn_implementation`
 BRANCH_MAPS: ContextVar[list | None] = ContextVar("diff_branch_maps", default=None)
 
 
+def noise_group(module: torch.nn.Module) -> int:
+    """Differential heads per noise head of the layer (`DiffConfig.noise_group_size`); 1 for a module whose config
+    has no grouped noise heads (the authors' module API, `multihead_diffattn.py`)."""
+    return getattr(module.config, "noise_group_size", 1)
+
+
 @autocast_off
 def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """The paper's formula as written: both softmax maps in fp32, their difference A1 - lambda A2, times V; the one
     kernel that returns the map (and feeds `capture_branch_attentions`). Returns (out [B, T, h, dv] fp32, the
     differential map [B, h, T, S])."""
-    q1, q2, k1, k2 = split_branches(q, k)
-    k1, k2, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, k2, v))  # [B, h, S, .]
+    group = noise_group(module)
+    q1, q2, k1, k2 = split_branches(q, k, group)
+    k1, v = (repeat_kv(x, q1.shape[1] // k.shape[1]) for x in (k1, v))  # [B, h, S, .]
+    k2 = repeat_kv(k2, q2.shape[1] // k.shape[1])  # [B, g, S, d]: one per noise head
     a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
-    a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)
+    a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)  # [B, g, T, S]: once per group
+    a2 = a2.repeat_interleave(group, dim=1)  # [B, h, T, S]: the group's map in each of its heads
     if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
         branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
     diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2
     return torch.matmul(diff_map, upcast(v)).transpose(1, 2), diff_map.to(q.dtype)
 
 
-def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[tuple[torch.Tensor, ...]]]:
+def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 group: int = 1) -> list[list[tuple[torch.Tensor, ...]]]:
     """Per branch, the (query, key, value) standard-attention calls whose outputs concatenate to A_b V.
 
     FlashAttention kernels need equal q/k/v head dims (transformers' flash path silently pads/crops a wider V, and
     torch's fused sdpa kernels fall back to the slow math path). When V is as wide as the packed keys (dv = 2d, the
     paper's layout) each branch is ONE call without copying K or V: the zero-padded query [q1, 0] (or [0, q2])
     dotted with (k1 | k2) is exactly q1.k1 (or q2.k2). Otherwise V is split in d-wide chunks against k1 / k2.
+    With grouped noise heads (`group` > 1) branch 2 has one query head per noise head.
     """
-    q1, q2, k1, k2 = split_branches(q, k)
+    q1, q2, k1, k2 = split_branches(q, k, group)
     d = q.shape[-1]
     if v.shape[-1] == k.shape[-1]:
         return [[(F.pad(q1, (0, d)), k, v)], [(F.pad(q2, (d, 0)), k, v)]]  # queries [B, h, T, 2d]
@@ -80,14 +91,29 @@ def branch_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list
     return [[(q1, k1, chunk) for chunk in chunks], [(q2, k2, chunk) for chunk in chunks]]
 
 
+class NoiseBranch:
+    """A layer as transformers' attention functions see it in the noise branch of grouped noise heads: g query
+    heads over the h_kv kv heads (`num_key_value_groups` = g / h_kv); every other attribute is the layer's."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self.module, self.num_key_value_groups = module, num_key_value_groups
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
 def standard_attention_calls(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-    """Two standard-attention calls per branch through transformers' attention interface (sdpa, flash, flex)."""
+    """Two standard-attention calls per branch through transformers' attention interface (sdpa, flash, flex). With
+    grouped noise heads the noise branch attends once per noise head, and each output serves its group."""
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, sdpa_attention_forward)
+    group = noise_group(module)
+    noise_heads = q.shape[1] - q.shape[1] * group // (group + 1)
+    callers = (module, module if group == 1 else NoiseBranch(module, noise_heads // k.shape[1]))
     branch_outputs = []
-    for calls in branch_calls(q, k, v):
-        parts = [attend(module, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
-        branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h, dv]
-    return branch_outputs[0] - lam * branch_outputs[1], None
+    for calls, caller in zip(branch_calls(q, k, v, group), callers):
+        parts = [attend(caller, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
+        branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h|g, dv]
+    return branch_outputs[0] - lam * branch_outputs[1].repeat_interleave(group, dim=2), None
 
 
 def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
@@ -128,6 +154,9 @@ DIFF_KERNELS: dict[str, Callable] = {
     DIFF_FLASH: diff_flash_kernel,  # Triton, one pass for both branches
 }
 
+# The kernels that compute each noise head's map once for its group (GDA); the others get `expand_noise`'s queries.
+GROUPED_KERNELS = ("eager", "standard_calls")
+
 
 def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
@@ -154,8 +183,17 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The differential heads of a V1 layer under its model's backend: `select_kernel`'s kernel, called."""
-    kernel = DIFF_KERNELS[select_kernel(module.config._attn_implementation, q, k, v)]
-    return kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs)
+    name = select_kernel(module.config._attn_implementation, q, k, v)
+    return run_kernel(name, module, q, k, v, lam, attention_mask, scaling, **kwargs)
+
+
+def run_kernel(name: str, module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """`DIFF_KERNELS[name]` on a layer's inputs. With grouped noise heads (GDA), a kernel that takes one noise query
+    per head gets each noise query repeated over its group at call time (`expand_noise`: exact, no parameters
+    added); `GROUPED_KERNELS` take them as they are."""
+    if name not in GROUPED_KERNELS:
+        q = expand_noise(q, noise_group(module))
+    return DIFF_KERNELS[name](module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
 
 @autocast_off

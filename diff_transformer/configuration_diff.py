@@ -1,6 +1,7 @@
 """Configuration of the Differential Transformer (Ye et al., "Differential Transformer", arXiv 2410.05258)."""
 
 import copy
+import dataclasses
 import difflib
 import logging
 import math
@@ -88,7 +89,7 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
     """Unknown keyword arguments that closely match a field (`num_heads` -> `num_attention_heads`): transformers
     keeps unknown keys as plain attributes, so such a typo would be silently ignored."""
     ignored = BASE_KWARGS | set(GenerationConfig._get_default_generation_params())
-    matches = {key: difflib.get_close_matches(key, fields, n=2, cutoff=0.6) for key in kwargs if key not in ignored}
+    matches = {key: difflib.get_close_matches(key, fields, n=3, cutoff=0.6) for key in kwargs if key not in ignored}
     return {key: found for key, found in matches.items() if found and not key.startswith("_")}
 
 
@@ -120,6 +121,33 @@ def type_name(annotation: object) -> str:
         return f"a list of {typing.get_args(annotation)[0].__name__}"
     names = {int: "an int", float: "a finite float", type(None): "None"}
     return names.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
+
+
+def unvalidated_copy(config: PreTrainedConfig, **fields) -> PreTrainedConfig:
+    """A shallow copy of `config` with `fields` set and no field validation: a description for code that reads
+    other shapes from a config (a layer's cache, Llama's modules built with other head counts), not a model config."""
+    view = copy.copy(config)
+    view.__dict__.update(fields)
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """What one attention layer caches per token: `kv_heads` heads of keys `key_dim` wide and of values `value_dim`
+    wide (`DiffConfig.layer_cache`). The one description every cache consumer reads: transformers' per-layer
+    configs, the paged cache, PEFT's prefix, the vLLM layout."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def key_elements(self) -> int:
+        return self.kv_heads * self.key_dim
+
+    @property
+    def value_elements(self) -> int:
+        return self.kv_heads * self.value_dim
 
 
 # Tensor parallelism (`tp_plan="auto"`): rank r of n holds whole heads [r h/n, (r+1) h/n), i.e. both branches' q/k rows
@@ -159,6 +187,11 @@ class DiffConfig(PreTrainedConfig):
         head_dim (`int`, *optional*): q/k sub-head dim d. Paper default `hidden_size // (2 h)`.
         value_head_dim (`int`, *optional*): value/output width of a differential head. Defaults to 2d (paper);
             converted pretrained models use d.
+        num_noise_heads (`int`, *optional*): grouped differential attention (GDA, arXiv 2510.06949; Motif-2-12.7B):
+            the branch-2 ("noise") query heads g. Each serves h / g consecutive differential heads: its map A2 is
+            computed once and subtracted, with the layer's lambda, in each of them. It reads the k2 of kv head
+            `i // (g / h_kv)`, so g must divide h and be a multiple of h_kv. Defaults to h (one noise head per
+            head: the paper's DIFF); V1 only.
         lambda_init (`float`, *optional*): constant lambda_init in [0, 1); `None` uses the paper schedule
             `0.8 - 0.6 exp(-0.3 (layer_idx + lambda_init_offset))`.
         lambda_init_offset (`int`): added to the 0-based layer index in that schedule. 0 is the paper; Motif-2
@@ -204,6 +237,7 @@ class DiffConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     value_head_dim: int | None = None
+    num_noise_heads: int | None = None
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
@@ -250,6 +284,8 @@ class DiffConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
         if self.value_head_dim is None:
             self.value_head_dim = 2 * self.head_dim
+        if self.num_noise_heads is None:
+            self.num_noise_heads = self.num_attention_heads
         if self.attention_types is None:
             self.attention_types = ["differential"] * self.num_hidden_layers
         if self.embedding_multiplier is None:
@@ -345,7 +381,7 @@ class DiffConfig(PreTrainedConfig):
         """Raise `ValueError` for field combinations the model cannot build."""
         check = self._check
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "value_head_dim", "max_position_embeddings")
+                 "num_key_value_heads", "head_dim", "value_head_dim", "num_noise_heads", "max_position_embeddings")
         for name in sizes:
             check(getattr(self, name) > 0, f"{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("rms_norm_eps", "subln_eps"):
@@ -363,6 +399,7 @@ class DiffConfig(PreTrainedConfig):
             f"({self.num_attention_heads}); pick a divisor such as {self.num_attention_heads}",
         )
         check(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        self.check_noise_heads()
         check(self.diff_version in (1, 2), f"diff_version must be 1 or 2, got {self.diff_version}")
         check(not self.attention_dropout, "attention_dropout is not defined by the paper; set it to 0.0")
         check(
@@ -395,6 +432,24 @@ class DiffConfig(PreTrainedConfig):
                 f"({self.head_dim})",
             )
 
+    def check_noise_heads(self) -> None:
+        """Grouped noise heads (GDA): V1 only; g divides h (whole groups) and is a multiple of h_kv (each noise head
+        reads the k2 of one kv head, as the publisher's layout has it)."""
+        h, g, h_kv = self.num_attention_heads, self.num_noise_heads, self.num_key_value_heads
+        if g == h:
+            return
+        self._check(self.diff_version == 1, f"num_noise_heads ({g}) applies to diff_version=1 only (grouped "
+                    "differential attention); leave it unset for diff_version=2")
+        self._check(h % g == 0 and g % h_kv == 0,
+                    f"num_noise_heads ({g}) must divide num_attention_heads ({h}) and be a multiple of "
+                    f"num_key_value_heads ({h_kv}), since each noise head reads the k2 of one kv head; pick one "
+                    f"of {[n for n in range(h_kv, h + 1, h_kv) if h % n == 0]}")
+
+    @property
+    def noise_group_size(self) -> int:
+        """Differential heads per noise head, h / num_noise_heads (1: the paper's DIFF)."""
+        return self.num_attention_heads // self.num_noise_heads
+
     @property
     def per_layer_config(self) -> list["DiffConfig"]:
         """Each layer's config as transformers reads it to allocate a cache before the first forward (`generate`'s
@@ -415,19 +470,32 @@ class DiffConfig(PreTrainedConfig):
         """The fields `per_layer_config` sets per layer (those transformers reads from each layer's config)."""
         return {"num_key_value_heads", "head_dim"}
 
-    def layer_cache_config(self, kind: str) -> "DiffConfig":
+    def layer_cache(self, kind: str) -> LayerCache:
+        """What a layer of `kind` (an `attention_types` entry) caches per token: a V1 differential layer packed keys
+        (k1 | k2) 2d wide and values dv wide per kv head; a V2 layer h_kv heads of d; a standard layer of a hybrid
+        stack h_kv dv / d heads of d (Llama attention with the projection shapes of a differential layer). Grouped
+        noise heads (`num_noise_heads`) change none of these: each reads the k2 of one kv head."""
         d, dv, h_kv = self.head_dim, self.value_head_dim, self.num_key_value_heads
         if kind == "standard":
-            shape = {"num_key_value_heads": h_kv * dv // d}
-        elif self.diff_version == 2:
-            shape = {}
-        elif dv == 2 * d:
-            shape = {"head_dim": 2 * d}
-        else:
-            shape = {"head_dim": 2 * d, "qk_head_dim": 2 * d, "v_head_dim": dv}
-        layer = copy.copy(self)
-        layer.__dict__.update(shape)  # a description of the cache, not a model config: no field validation
-        return layer
+            return LayerCache(h_kv * dv // d, d, d)
+        if self.diff_version == 2:
+            return LayerCache(h_kv, d, d)
+        return LayerCache(h_kv, 2 * d, dv)
+
+    def widest_cached_row(self) -> int:
+        """Per token, the most elements any layer's keys or values take (`layer_cache`)."""
+        caches = [self.layer_cache(kind) for kind in set(self.attention_types)]
+        return max(max(cache.key_elements, cache.value_elements) for cache in caches)
+
+    def layer_cache_config(self, kind: str) -> "DiffConfig":
+        """A copy of the config describing a layer's cache as transformers reads it: `num_key_value_heads` x
+        `head_dim`, and, where keys and values differ in width, `qk_head_dim` / `v_head_dim` (as transformers marks
+        MLA layers)."""
+        cache = self.layer_cache(kind)
+        shape = {"num_key_value_heads": cache.kv_heads, "head_dim": cache.key_dim}
+        if cache.key_dim != cache.value_dim:
+            shape |= {"qk_head_dim": cache.key_dim, "v_head_dim": cache.value_dim}
+        return unvalidated_copy(self, **shape)
 
     def check_lambda_schedule(self) -> None:
         """Refuse a `lambda_init_offset` that gives a layer a lambda_init outside (-1, 1) (output scale
@@ -450,4 +518,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_offset))
 
 
-__all__ = ["DiffConfig", "unsupported_fields"]
+__all__ = ["DiffConfig", "LayerCache", "unsupported_fields"]

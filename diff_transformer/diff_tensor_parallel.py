@@ -32,7 +32,14 @@ def branch_halves_rank_major(rows: torch.Tensor, ranks: int) -> torch.Tensor:
 
 def check_tp_size(config, tp_size: int) -> None:
     """Every rank must hold whole heads and whole GQA groups: `tp_size` has to divide `num_key_value_heads` (which
-    divides `num_attention_heads`). Otherwise a rank would get part of a head's rows and fail in a reshape."""
+    divides `num_attention_heads`). Otherwise a rank would get part of a head's rows and fail in a reshape. Grouped
+    noise heads (GDA) are refused: `diff_colwise` splits q_proj's two halves alike, and a GDA layer's differ."""
+    noise, heads = getattr(config, "num_noise_heads", None), config.num_attention_heads
+    if tp_size > 1 and noise not in (None, heads):
+        raise ValueError(
+            f"tensor parallelism does not shard grouped noise heads (num_noise_heads={noise} < num_attention_heads="
+            f"{heads}) yet; run one process, or convert the checkpoint with --expand-noise-heads (plain DIFF)"
+        )
     if config.num_key_value_heads % tp_size:
         raise ValueError(
             f"tensor parallelism over {tp_size} processes needs {tp_size} to divide num_key_value_heads "

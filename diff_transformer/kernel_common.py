@@ -8,13 +8,16 @@ b branch, R n_rep, D d; `q_BKbRD` is [B, h_kv, 2, n_rep, d].
 The packed layout:
 
     q      : [B, 2h, T, d]       projected, rotated queries, "halves" order: q1 = q[:, :h], q2 = q[:, h:]
+             [B, h + g, T, d]    with g < h grouped noise heads (GDA): q2 = q[:, h:] holds one query per noise
+                                 head, serving differential heads [i h / g, (i + 1) h / g)
     k      : [B, h_kv, S, 2d]    keys packed per kv head as (k1 | k2): k1 = k[..., :d], k2 = k[..., d:]
     v      : [B, h_kv, S, dv]
     lam    : 0-dim tensor
     output : [B, T, h, dv]
 
-Query head j reads kv head j // (h / h_kv) in both branches. Keys are packed so that K and V share one head count
-(one cache layer per attention layer) and both branches read their keys as zero-copy views.
+Query head j reads kv head j // (h / h_kv) in both branches (noise head i: kv head i // (g / h_kv), the same).
+Keys are packed so that K and V share one head count (one cache layer per attention layer) and both branches read
+their keys as zero-copy views.
 """
 
 import functools
@@ -28,10 +31,21 @@ def upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-def split_branches(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q [B, 2h, T, d] -> q1, q2 [B, h, T, d]; packed k [B, h_kv, S, 2d] -> k1, k2 [B, h_kv, S, d] (views)."""
-    h, d = q.shape[1] // 2, q.shape[-1]
+def split_branches(q: torch.Tensor, k: torch.Tensor, group: int = 1) -> tuple[torch.Tensor, ...]:
+    """q [B, h + h / group, T, d] -> q1 [B, h, T, d], q2 [B, h / group, T, d]; packed k [B, h_kv, S, 2d] -> k1,
+    k2 [B, h_kv, S, d] (views). `group`: differential heads per noise head (grouped noise heads; 1: q is [B, 2h])."""
+    h, d = q.shape[1] * group // (group + 1), q.shape[-1]
     return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
+
+
+def expand_noise(q: torch.Tensor, group: int) -> torch.Tensor:
+    """Grouped queries [B, h + h / group, T, d] -> [B, 2h, T, d], each noise head's query repeated for the `group`
+    differential heads it serves, for kernels that take one noise query per head. Exact: differential head j and
+    its noise head j // group read the same kv head (j // (h / h_kv)), so each copy computes the group's map."""
+    if group == 1:
+        return q
+    q1, q2, _, _ = split_branches(q, q, group)
+    return torch.cat([q1, q2.repeat_interleave(group, dim=1)], dim=1)
 
 
 def drop_unfilled_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

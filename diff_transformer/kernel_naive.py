@@ -30,14 +30,19 @@ def _allowed_and_bias(mask: Tensor | None, length: int, keys: int, causal: bool,
 
 
 def naive_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: float, causal: bool = True,
-                         mask: Tensor | None = None) -> Tensor:
+                         mask: Tensor | None = None, group: int = 1) -> Tensor:
     """Out [B, T, h, dv] in float64, from the packed layout every kernel takes (kernel_common.py): q [B, 2h, T, d]
     in halves order, keys packed [B, h_kv, S, 2d] = (k1 | k2), v [B, h_kv, S, dv], lam a 0-dim tensor; query head
-    j reads kv head j // (h / h_kv). `mask` (see `_allowed_and_bias`) replaces the causal rule when given."""
-    h, d = q.shape[1] // 2, q.shape[-1]
-    n_rep = h // k.shape[1]
-    q1, q2 = q[:, :h].double(), q[:, h:].double()  # [B, h, T, d]
-    k1, k2, v = (t.double().repeat_interleave(n_rep, dim=1) for t in (k[..., :d], k[..., d:], v))  # [B, h, S, .]
+    j reads kv head j // (h / h_kv). `mask` (see `_allowed_and_bias`) replaces the causal rule when given.
+
+    Grouped noise heads (`group` > 1, GDA): q is [B, h + g, T, d] with g = h / group; noise head i reads kv head
+    i // (g / h_kv), and its map A2_i enters differential heads [i group, (i + 1) group)."""
+    d = q.shape[-1]
+    h = q.shape[1] * group // (group + 1)
+    g, h_kv = h // group, k.shape[1]
+    q1, q2 = q[:, :h].double(), q[:, h:].double()  # [B, h, T, d], [B, g, T, d]
+    k1, v = (t.double().repeat_interleave(h // h_kv, dim=1) for t in (k[..., :d], v))  # [B, h, S, .]
+    k2 = k[..., d:].double().repeat_interleave(g // h_kv, dim=1)  # [B, g, S, d]
     allowed, bias = _allowed_and_bias(mask, q1.shape[-2], k1.shape[-2], causal, q1.device)
     any_allowed = allowed.any(dim=-1, keepdim=True)
 
@@ -46,5 +51,6 @@ def naive_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: 
         scores = torch.where(any_allowed, scores, 0.0)  # a row without keys: softmax of zeros, then zeroed (no NaN)
         return torch.softmax(scores, dim=-1) * any_allowed
 
-    out = probs(q1, k1) @ v - lam.double() * (probs(q2, k2) @ v)  # [B, h, T, dv]
+    noise = probs(q2, k2).repeat_interleave(group, dim=1)  # [B, h, T, S]: noise head i's map in its group's heads
+    out = probs(q1, k1) @ v - lam.double() * (noise @ v)  # [B, h, T, dv]
     return out.transpose(1, 2)

@@ -37,7 +37,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto import AutoModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
-from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -51,7 +50,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import TransformersKwargs
 
 from .attention_kernels import DiffFlashBackend, diff_attention, eager_v2_attention
-from .configuration_diff import DiffConfig
+from .configuration_diff import DiffConfig, unvalidated_copy
 from .decoder_layers import DecoderLayers
 from .diff_lambda import DiffLambda, frozen_lambdas
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
@@ -99,7 +98,8 @@ class DifferentialAttentionBase(nn.Module):
 
 class DiffAttention(DifferentialAttentionBase):
     """Differential multi-head attention (paper §2.1). q_proj rows are [branch-1 sub-heads | branch-2 sub-heads],
-    k_proj rows likewise for the kv heads, v_proj h_kv heads of width dv."""
+    k_proj rows likewise for the kv heads, v_proj h_kv heads of width dv. With grouped noise heads (GDA,
+    `num_noise_heads` g < h) branch 2 has g query heads, each serving h / g consecutive differential heads."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
@@ -113,7 +113,8 @@ class DiffAttention(DifferentialAttentionBase):
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
         hidden, d, dv = config.hidden_size, self.head_dim, self.value_head_dim
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * d, bias=config.attention_bias)
+        self.num_noise_heads = config.num_noise_heads  # branch 2's query heads: h, or h / group with GDA
+        self.q_proj = nn.Linear(hidden, (self.num_heads + self.num_noise_heads) * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, 2 * self.num_key_value_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * dv, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dv, hidden, bias=config.attention_out_bias)
@@ -131,12 +132,13 @@ class DiffAttention(DifferentialAttentionBase):
         self.output_scale = 1.0 - value if self.use_subln else 1.0
 
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
-        """Project and rotate: q [B, 2h, T, d], k [B, h_kv, T, 2d] (k1 | k2 per kv head), v [B, h_kv, T, dv].
+        """Project and rotate: q [B, h + g, T, d] (g = h without GDA), k [B, h_kv, T, 2d] (k1 | k2 per kv head),
+        v [B, h_kv, T, dv].
 
         Head counts come from the projections' outputs: under tensor parallelism a rank holds h / n heads."""
         batch, length, _ = hidden_states.shape
         d = self.head_dim
-        q = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h, T, d]
+        q = self.q_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, h + g, T, d]
         k = self.k_proj(hidden_states).view(batch, length, -1, d).transpose(1, 2)  # [B, 2h_kv, T, d]
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         k = k.view(batch, 2, -1, length, d).permute(0, 2, 3, 1, 4).reshape(batch, -1, length, 2 * d)
@@ -196,13 +198,10 @@ class DiffStandardAttention(LlamaAttention):
     backend `set_attn_implementation` switches."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
-        widen = config.value_head_dim // config.head_dim
-        heads = LlamaConfig(
-            hidden_size=config.hidden_size, head_dim=config.head_dim, attention_dropout=0.0,
-            num_attention_heads=config.num_attention_heads * widen,
-            num_key_value_heads=config.num_key_value_heads * widen, attention_bias=config.attention_bias,
-        )
-        super().__init__(heads, layer_idx)
+        cache = config.layer_cache("standard")
+        widen = cache.kv_heads // config.num_key_value_heads
+        super().__init__(unvalidated_copy(config, num_attention_heads=config.num_attention_heads * widen,
+                                          num_key_value_heads=cache.kv_heads), layer_idx)
         self.config = config
         self.o_proj = nn.Linear(self.o_proj.in_features, config.hidden_size, bias=config.attention_out_bias)
 

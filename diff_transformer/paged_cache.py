@@ -25,6 +25,8 @@ from transformers import ContinuousBatchingConfig, PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from .configuration_diff import unvalidated_copy
+
 PAGED_EAGER = "paged|eager"  # transformers' eager backend on the paged cache; the DIFF layers run their eager kernels
 BATCHING_BACKENDS = ("sdpa", "eager", PAGED_EAGER)  # the backends whose DIFF kernels read a packed batch's mask
 # Whether this transformers release hands the cache its forward kwargs (read and write indices) in `update`, the
@@ -40,20 +42,10 @@ def is_paged(cache: object) -> bool:
     return isinstance(cache, PagedAttentionCache)
 
 
-def layer_cache_widths(config: PreTrainedConfig, kind: str) -> tuple[int, int]:
-    """Elements per token of a layer's cached keys and values; `kind` is its `attention_types` entry."""
-    h_kv, d, dv = config.num_key_value_heads, config.head_dim, config.value_head_dim
-    if kind == "standard":
-        return h_kv * dv, h_kv * dv  # h_kv dv / d heads of d
-    if config.diff_version == 2:
-        return h_kv * d, h_kv * d
-    return 2 * h_kv * d, h_kv * dv  # packed (k1 | k2), values dv wide
-
-
 def paged_cache_heads(config: PreTrainedConfig) -> int:
-    """d-wide heads per token and layer of the paged cache: enough for every layer's keys and values."""
-    widest = max(max(layer_cache_widths(config, kind)) for kind in set(config.attention_types))
-    return -(-widest // config.head_dim)
+    """d-wide heads per token and layer of the paged cache: enough for every layer's keys and values
+    (`DiffConfig.layer_cache`)."""
+    return -(-config.widest_cached_row() // config.head_dim)
 
 
 def to_rows(x: torch.Tensor, heads: int, d: int) -> torch.Tensor:
@@ -127,9 +119,7 @@ def paged_cache_view(model) -> Iterator[None]:
     """While the batching manager builds its cache: `model.config` is a copy whose `num_key_value_heads` is
     `paged_cache_heads` (the paged cache reads its row shape there). The model's own config is left untouched."""
     config = model.config
-    view = copy.copy(config)
-    view.__dict__["num_key_value_heads"] = paged_cache_heads(config)  # a description of the cache, not validated
-    model.config = view
+    model.config = unvalidated_copy(config, num_key_value_heads=paged_cache_heads(config))
     try:
         yield
     finally:

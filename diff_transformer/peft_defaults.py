@@ -49,11 +49,10 @@ def target_module_mappings() -> dict[str, dict]:
 
 
 def prefix_head_width(config: DiffConfig) -> int:
-    """Per kv head, the widest key or value any layer caches: 2d packed keys (and dv values) in a V1 layer, d in a V2
-    layer, dv in a standard layer of a hybrid stack (its h_kv dv / d heads of d, grouped by kv head)."""
-    if config.diff_version == 2:
-        return config.head_dim
-    return max(2 * config.head_dim, config.value_head_dim)
+    """Per kv head, the widest key or value any layer caches (`DiffConfig.layer_cache`): 2d packed keys (and dv
+    values) in a V1 layer, d in a V2 layer, dv in a standard layer of a hybrid stack (its h_kv dv / d heads of d,
+    grouped by kv head)."""
+    return config.widest_cached_row() // config.num_key_value_heads
 
 
 def fit_prefix(prefix: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

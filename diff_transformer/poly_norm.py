@@ -4,10 +4,9 @@ activation."""
 
 import torch
 from torch import nn
-from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from .configuration_diff import POLY_NORM, DiffConfig
+from .configuration_diff import POLY_NORM, DiffConfig, unvalidated_copy
 from .kernel_common import upcast
 
 POLY_NORM_EPS = 1e-6  # PolyNorm's epsilon in Motif-2 (and arXiv 2411.03884)
@@ -37,7 +36,6 @@ def build_mlp(config: DiffConfig) -> LlamaMLP:
     """Llama's gated MLP, `down(act(gate x) * up x)`; with `hidden_act="poly_norm"` its activation is `PolyNorm`."""
     if config.hidden_act != POLY_NORM:
         return LlamaMLP(config)
-    mlp = LlamaMLP(LlamaConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                               mlp_bias=config.mlp_bias, hidden_act="silu"))
+    mlp = LlamaMLP(unvalidated_copy(config, hidden_act="silu"))  # PolyNorm replaces silu below
     mlp.config, mlp.act_fn = config, PolyNorm()
     return mlp

@@ -30,6 +30,9 @@ KERNELS = "diff_transformer/attention_kernels.py"
 COMMON = "diff_transformer/kernel_common.py"
 TILED = "diff_transformer/kernel_tiled.py"
 FLASH = "diff_transformer/kernel_diff_flash.py"
+MOTIF = "diff_transformer/tools/motif.py"
+TRAINER = "diff_transformer/tools/training.py"
+SAFE_WRITE = "diff_transformer/tools/safe_write.py"
 
 # Test files by what they exercise, most sensitive (and fastest) first.
 LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
@@ -42,6 +45,8 @@ DECODE = ["tests/test_modeling.py::test_cached_decode_logits_equal_full_forward"
               "test_past_key_values_warns_where_transformers_renamed_it")),
           "tests/test_v2.py::test_v2_cached_generation_equals_uncached"]
 TRAINING = ["tests/test_training.py::test_trainer_gradients_equal_a_plain_backward"]
+GDA = ["tests/test_gda.py::test_kernel_matches_reference"]
+MOTIF_LOGITS = ["tests/test_motif.py::test_logits_match_the_float64_reference"]
 
 
 class Fault(NamedTuple):
@@ -138,10 +143,29 @@ FAULTS = [
           "        self.gradient_checkpointing = False\n        self.post_init()\n\n    # LlamaModel's forward",
           "        self.post_init()\n\n    # LlamaModel's forward",
           ["tests/test_modeling.py::test_classes_hold_what_their_llama_parent_builds"]),
+    Fault("checkpoints written in place", TRAINER,
+          "            self.staging = str(folder.parent)\n",
+          "            self.staging = None\n",
+          ["tests/test_safe_writes.py::test_full_disk_during_a_checkpoint_is_one_line"]),
+    Fault("a failed write leaves its staging folder", SAFE_WRITE,
+          "        size = max(needed() if callable(needed) else needed, folder_bytes(private))\n"
+          "        shutil.rmtree(private, ignore_errors=True)\n",
+          "        size = max(needed() if callable(needed) else needed, folder_bytes(private))\n"
+          "        private = private.with_name(private.name + '-kept')\n",
+          ["tests/test_safe_writes.py::test_a_full_disk_is_one_line_and_leaves_nothing"]),
     Fault("per-layer lambda_init in the layer repr", LAMBDA,
           'return f"head_dim={self.q1.numel()}"',
           'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
           ["tests/test_modeling.py::test_print_folds_identical_layers_like_llama"]),
+    Fault("GDA: noise map of the wrong group (eager)", KERNELS,
+          "a2 = a2.repeat_interleave(group, dim=1)", "a2 = a2.repeat(1, group, 1, 1)", GDA),
+    Fault("GDA: noise output of the wrong group (standard calls)", KERNELS,
+          "lam * branch_outputs[1].repeat_interleave(group, dim=2)", "lam * branch_outputs[1].repeat(1, 1, group, 1)",
+          GDA),
+    Fault("GDA: noise query of the wrong group (expanded at call)", COMMON,
+          "q2.repeat_interleave(group, dim=1)", "q2.repeat(1, group, 1, 1)", GDA),
+    Fault("GDA converter: noise rows of the wrong group", MOTIF,
+          "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
 ]
 
 

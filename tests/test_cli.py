@@ -61,9 +61,9 @@ def test_train_default_task_then_generate(tmp_path, capsys):
     assert [(r["metric"], round(r["value"], 3)) for r in stored] == [("accuracy", float(accuracy.group(1)))]
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert isinstance(model, DiffForCausalLM)
-    # the package's default initialisation: embeddings x sqrt(hidden), written to config.json
-    assert model.config.embedding_multiplier == math.sqrt(model.config.hidden_size)
-    assert json.loads((folder / "config.json").read_text())["embedding_multiplier"] == math.sqrt(64)
+    # the built-in task's recipe (benchmarks/RESULTS.md, per seed): unscaled embeddings, written to config.json
+    assert model.config.embedding_multiplier == 1.0
+    assert json.loads((folder / "config.json").read_text())["embedding_multiplier"] == 1.0
 
     prompt = "k3 v7 k9 v2 ? k9"
     main(["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "2"])
@@ -80,7 +80,22 @@ def test_train_text_file_then_generate(shakespeare, tmp_path, capsys):
     output = capsys.readouterr().out
     assert "reloaded through AutoModelForCausalLM: DiffForCausalLM" in output, output
     assert len(AutoTokenizer.from_pretrained(folder)) == 300
+    # on text, the package's default initialisation: embeddings x sqrt(hidden)
+    assert json.loads((folder / "config.json").read_text())["embedding_multiplier"] == math.sqrt(64)
 
     main(["generate", str(folder), "--prompt", "ROMEO:", "--max-new-tokens", "4"])
     got = generated_line(capsys.readouterr().out)
     assert got == greedy_continuation(folder, "ROMEO:", 4), got
+
+
+def test_embedding_multiplier_option_round_trips(tmp_path, capsys):
+    """--embedding-multiplier reaches the model's forward through config.json, and training_args.json records it."""
+    folder = tmp_path / "scaled"
+    main(["train", "--max-steps", "2", "--examples", "64", "--output", str(folder), "--embedding-multiplier", "2.5"])
+    capsys.readouterr()
+    assert json.loads((folder / "config.json").read_text())["embedding_multiplier"] == 2.5
+    assert json.loads((folder / "training_args.json").read_text())["options"]["embedding_multiplier"] == 2.5
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[1, 2, 3]])
+    # the first layer reads 2.5 x the embedding rows (an independent lookup of the saved matrix)
+    torch.testing.assert_close(model.get_input_embeddings()(ids), 2.5 * model.model.embed_tokens.weight[ids])

@@ -14,7 +14,6 @@ import json
 import os
 import pty
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -27,9 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import saved_folders, tiny_config
-from helpers.folders import planted_pickle
+from helpers.cli import cli_process_env, run_cases, write_limit
+from helpers.folders import planted_pickle, save_llama
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from safetensors.torch import load_file, save_file
 
@@ -52,13 +52,6 @@ def english_tokenizer(vocab_size: int):
     texts = list(FILLER) * 20 + [needle(c, str(1000 + i)) for i, c in enumerate(CITIES)] * 3
     return train_bpe_tokenizer(texts=texts + [f"What is the magic number of {c}?" for c in CITIES],
                                vocab_size=vocab_size)
-
-
-def save_llama(path: Path, tokenizer) -> Path:
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=512)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +151,9 @@ CLI_MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is
     "missing-data": (["train", "--data", "{d}/nope.txt"], "no such file: {d}/nope.txt"),
     "heads": (["train", "--hidden-size", "60", "--heads", "4"], "--hidden-size (60) must be a multiple of 2 * --heads"),
     "pairs": (["train", "--pairs", "20", "--keys", "16"], "--pairs (20) cannot exceed --keys (16)"),
+    "embedding-multiplier": (["train", "--embedding-multiplier", "-2"],
+                             "argument --embedding-multiplier: '-2': give a number > 0 (1.0: unscaled embeddings)"),
+    "embedding-multiplier-word": (["train", "--embedding-multiplier", "root"], "or 'sqrt' (sqrt of --hidden-size)"),
     "backend": (["train", "--attn-implementation", "flash"], "invalid choice: 'flash'"),
     "lengths": (["eval-needle", "{d}/diff", "--lengths", "0"], "argument --lengths: '0' must be a whole number >= 1"),
     "depths": (["eval-needle", "{d}/diff", "--depths", "150"], "'150' must be a percentage between 0 and 100"),
@@ -383,39 +379,7 @@ def trained(tmp_path_factory) -> Path:
     return folder
 
 
-# Runs each case's arguments through the command line, in one fresh interpreter with no standard input (the cases of
-# one run share its start-up): [exit status, stdout and stderr] per case, as JSON in the file named by argv[2].
-RUN_CASES = """
-import contextlib, io, json, sys, traceback
-import diff_transformer_cli
-results = []
-for arguments in json.load(open(sys.argv[1])):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
-        try:
-            diff_transformer_cli.main(arguments)
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-        except BaseException:
-            code, _ = 1, traceback.print_exc()
-    results.append([code, err.getvalue()])
-json.dump(results, open(sys.argv[2], "w"))
-"""
 PROMPT = "k3 v7 k9 v2 ? k9"
-
-
-def run_cases(cases: list[list[str]], folder: Path, root: Path = ROOT, timeout: int = 400,
-              stdin: int = subprocess.DEVNULL, unset: tuple[str, ...] = ()) -> list[tuple[int, str]]:
-    """`RUN_CASES` in `folder` with the code of `root` (the repository, or another checkout to compare with),
-    without the environment variables `unset`."""
-    (folder / "cases.json").write_text(json.dumps(cases))
-    env = {**{k: v for k, v in os.environ.items() if k not in unset}, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", RUN_CASES, "cases.json", "results.json"], cwd=folder, env=env,
-                            stdin=stdin, capture_output=True, text=True, timeout=timeout)
-    assert (folder / "results.json").is_file(), result.stderr[-3000:]
-    return [tuple(entry) for entry in json.loads((folder / "results.json").read_text())]
 
 
 def edited_config(source: Path, folder: Path, edit) -> Path:
@@ -443,8 +407,7 @@ def edited_files(source: Path, folder: Path, edit) -> Path:
 def pickled_llama(folder: Path) -> None:
     """A Llama folder whose weights are a pickle that runs code (`planted_pickle`) when loaded."""
     shutil.rmtree(folder)
-    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2)).save_pretrained(folder)
+    save_llama(folder, KeyValueTask().tokenizer())
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(planted_pickle(folder.parent / "pwned"))
 
@@ -531,9 +494,9 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                     "hidden_size=64, intermediate_size=160, vocab_size=37, num_attention_heads=4), but its weight "
                     "files hold 96,992: the fields do not describe these weights", None),
     "misspelt-field": (["generate", "{d}/misspelt", "--prompt", PROMPT],
-                       "DiffConfig: unknown field 'num_heads' in config.json; did you mean 'num_key_value_heads' or "
-                       "'num_attention_heads'? (transformers would keep it as an unused attribute); fix or remove it",
-                       None),
+                       "DiffConfig: unknown field 'num_heads' in config.json; did you mean 'num_noise_heads' or "
+                       "'num_key_value_heads' or 'num_attention_heads'? (transformers would keep it as an unused "
+                       "attribute); fix or remove it", None),
     "wrong-shape": (["generate", "{d}/shape", "--prompt", PROMPT],
                     "the weights in {d}/shape do not fit its config.json: model.layers.0.self_attn.q_proj.weight: "
                     "[32, 64] in model.safetensors, [64, 64] for config.json", None),
@@ -583,6 +546,9 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                                    "--output {d}/unfinished holds checkpoints of an unfinished run (the last: "
                                    "checkpoint-12); pass --resume to continue it, or --overwrite to start a new run",
                                    None),
+    "data-inside-output": (["train", "--data", "{d}/model/corpus.txt", "--output", "{d}/model", "--overwrite"],
+                           "--output {d}/model holds the --data file {d}/model/corpus.txt, and the model replaces the "
+                           "folder whole; choose another --output", None),
 }
 
 
@@ -597,6 +563,7 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")
     (root / "corpus.txt").write_text("\n".join(KeyValueTask().texts(100)) + "\n")
+    shutil.copyfile(root / "corpus.txt", root / "model" / "corpus.txt")
     lora = get_peft_model(DiffForCausalLM.from_pretrained(root / "model"), LoraConfig(r=2))
     lora.save_pretrained(root / "adapter")  # the adapter only, with the base model's path
     for step in (3, 12):  # by step, not by name
@@ -702,36 +669,22 @@ def test_no_question_on_a_terminal(silently_wrong):
     assert not (root / "out").exists()
 
 
-@pytest.fixture
-def slow_disk(tmp_path):
-    """A write limit for a child process (RLIMIT_FSIZE, with SIGXFSZ ignored): a write past it fails with EFBIG, as
-    a full disk fails one with ENOSPC, on any filesystem and without privileges."""
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # config.json fits, the weights do not
-    return limit
-
-
-def cli_process_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-
-
 def cli_process(arguments: list[str], cwd: Path, **options) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "diff_transformer_cli", *arguments], cwd=cwd, env=cli_process_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **options)
 
 
-def test_failed_save_leaves_nothing(tmp_path, slow_disk):
-    """The weights cannot be written (a full disk): one line, and no folder that blocks the rerun or looks like a
-    model (before: a traceback and a config.json without weights)."""
+def test_failed_save_leaves_nothing(tmp_path):
+    """The weights cannot be written (a full disk): one line naming the folder and the space it needs, and no folder
+    that blocks the rerun or looks like a model (before: a traceback and a config.json without weights)."""
     process = cli_process(["train", "--max-steps", "2", "--examples", "64", "--output", "runs/full"], tmp_path,
-                          preexec_fn=slow_disk)
+                          preexec_fn=write_limit(50_000))  # config.json fits, the weights do not
     err, _ = process.communicate(timeout=300)
     assert process.returncode == 2 and "Traceback" not in err, err[-3000:]
-    assert re.search(r"\ndiff-transformer train: error: could not save the model \(.*File too large.*\); nothing "
-                     r"saved: free some space, or choose another --output \(--debug shows the traceback\)\n$", err), err
+    assert re.search(r"\ndiff-transformer train: error: could not write runs/full: File too large; it needs about "
+                     r"[\d.]+ KB and .* are free there; nothing was written: free some space, or choose another "
+                     r"--output \(while saving; nothing saved\) \(--debug shows the traceback\)\n$", err), err
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
 
 

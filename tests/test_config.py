@@ -316,9 +316,10 @@ def test_misspelt_field_in_a_saved_config_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_heads": 8}))
     with pytest.raises(ValueError) as error:
         DiffConfig.from_pretrained(tmp_path)
-    assert str(error.value) == ("DiffConfig: unknown field 'num_heads' in config.json; did you mean "
-                                "'num_key_value_heads' or 'num_attention_heads'? (transformers would keep it as an "
-                                "unused attribute); fix or remove it.")
+    message = str(error.value)
+    assert message.startswith("DiffConfig: unknown field 'num_heads' in config.json; did you mean ") and \
+        "'num_attention_heads'?" in message and "\n" not in message, message
+    assert message.endswith("(transformers would keep it as an unused attribute); fix or remove it."), message
     extras = {"layer_norm_eps": 1.0, "norm_epsilon": 1.0, "torch_dtype": "float32", "rope_scaling": None,
               "_name_or_path": "x", "base_model": "meta-llama/Llama-3.2-1B"}
     (tmp_path / "config.json").write_text(json.dumps({**config, **extras}))
@@ -346,3 +347,22 @@ def test_dtype_names_a_torch_dtype(tmp_path, keyword):
     with pytest.raises(ValueError, match=message):
         DiffConfig.from_pretrained(tmp_path, **{keyword: "fp16"})
     assert str(tiny_config(**{keyword: "bfloat16"}).dtype) == "torch.bfloat16"
+
+
+def test_poly_norm_and_standard_layers_build_for_any_head_count():
+    """The PolyNorm MLP and a hybrid stack's standard layers build Llama's modules from the DiffConfig's own sizes:
+    a throwaway LlamaConfig (32 default heads, or h dv / d heads) refused hidden 48 ("not a multiple of the number
+    of attention heads")."""
+    import torch
+
+    from diff_transformer import DiffForCausalLM
+    from diff_transformer.poly_norm import PolyNorm
+
+    config = DiffConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=3, head_dim=8, value_head_dim=24, hidden_act="poly_norm",
+                        attention_types=["differential", "standard"])
+    model = DiffForCausalLM(config)
+    standard = model.model.layers[1].self_attn
+    assert isinstance(model.model.layers[0].mlp.act_fn, PolyNorm)
+    assert (standard.q_proj.out_features, standard.o_proj.in_features) == (3 * 3 * 8, 3 * 3 * 8)
+    assert torch.isfinite(model(torch.randint(0, 50, (1, 6))).logits).all()

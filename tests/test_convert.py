@@ -139,9 +139,10 @@ def test_diffllama_import_identical(backend, kv_heads, tmp_path, capsys):
 
 
 def test_unsupported_architecture_refused(tmp_path):
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="cannot convert model_type 'gpt2'.*supported are llama, mistral, qwen2"):
-        convert_checkpoint(str(tmp_path), str(tmp_path / "out"))
+        convert_checkpoint(str(tmp_path / "gpt2"), str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"], "nothing written"
 
 
 def test_sliding_window_refused_unless_allowed():

@@ -3,6 +3,7 @@
 Needle retrieval, attention noise and activation outliers (paper §3.4, Tables 3 and 5) on tiny models, their settings'
 checks and their tables without matplotlib; the paper_small benchmark's runs, quantization and reports."""
 
+import argparse
 import importlib.util
 import json
 import random
@@ -601,3 +602,101 @@ def test_paper_small_committed_report_recomputes_from_committed_weights(tmp_path
                     "--from-saved"])
     got, committed = (out / "report.md").read_text(), (COMMITTED_QUICK / "report.md").read_text()
     assert got == committed, "\n".join(f"{a}\n{b}" for a, b in zip(got.splitlines(), committed.splitlines()) if a != b)
+
+
+# The in-memory model cast to bf16 and back keeps its rotary frequencies rounded to bf16; the loaded one recomputes
+# them in fp32: logits differ by ~1e-5.
+SAVED_ATOL = 1e-4
+
+
+def test_paper_small_initialisation_survives_the_saved_model(tmp_path):
+    """--init embed-sqrt on every family, by lm_scaling's apply_init: the model loaded back from its saved folder
+    (`load_saved`, from which every reported number is computed) gives the logits of the trained model in the bf16
+    weights it saved (to SAVED_ATOL); loaded without the embedding hook (a planted bug) it does not."""
+    benchmark = load_paper_small()
+    args = benchmark.parse_args(["--quick", "--init", "embed-sqrt", "--examples", "8"])
+    plain_args = argparse.Namespace(**{**vars(args), "init": "llama"})
+    tokenizer, data, _ = benchmark.retrieval_data(args)
+    for name in benchmark.MODELS:
+        torch.manual_seed(0)
+        model = benchmark.lm_scaling.apply_init(benchmark.build_models(len(tokenizer), args)[name], args.init)
+        benchmark.save_model(model, tokenizer, tmp_path / name)  # leaves the model in bf16
+        with torch.no_grad():
+            expected = model.float().eval()(data[:2]).logits
+            got = benchmark.load_saved(tmp_path / name, args)(data[:2]).logits
+            plain = benchmark.load_saved(tmp_path / name, plain_args)(data[:2]).logits
+        diff = (got - expected).abs()
+        assert diff.max() < SAVED_ATOL, f"{name}: max diff {diff.max():.3e}, mean {diff.mean():.3e}"
+        assert (plain - expected).abs().max() > 100 * SAVED_ATOL, f"{name}: loaded without the hook, the same logits"
+
+
+def test_paper_small_initialisation_and_rate_key_the_stored_runs(tmp_path):
+    """A run's stored name follows its initialisation and learning rate (Llama's initialisation keeps the earlier
+    names, so the committed runs are found); the study's own settings (grid, fraction, inits) do not change it."""
+    benchmark = load_paper_small()
+    args = benchmark.parse_args(["--quick", "--output-dir", str(tmp_path)])
+    path = lambda a: benchmark.stored_path(("retrieval", "DIFF", 0, a.steps, a))
+    base = path(args)
+    assert path(benchmark.run_args(args, "llama", args.lr)) == base
+    assert path(benchmark.run_args(args, "embed-sqrt", args.lr)) != base
+    assert path(benchmark.run_args(args, "llama", 2 * args.lr)) != base
+    study = benchmark.parse_args(["--quick", "--output-dir", str(tmp_path), "--study", "--inits", "llama",
+                                  "--lrs", "1e-3", "--sweep-fraction", "0.5"])
+    assert path(study) == base
+
+
+def study_row(model: str, init: str, seed: int, loss: float) -> dict:
+    return {"task": "text", "model": model, "init": init, "seed": seed, "val_loss": loss, "seconds": 600.0}
+
+
+def test_paper_small_study_report_by_hand():
+    """The study's tables: every family at every initialisation with its swept rate and its gap to Llama at the same
+    initialisation, and each family at its best against Llama at its own best (paired by seed, 90% t interval)."""
+    benchmark = load_paper_small()
+    args = benchmark.parse_args(["--study", "--tasks", "text", "--inits", "llama", "embed-sqrt", "--seeds", "0", "1",
+                                 "2", "--long-steps", "0"])
+    finals = {("llama", "DIFF"): (4.0, 4.1, 3.9), ("llama", "DiffLlama"): (3.9, 3.95, 3.85),
+              ("llama", "Transformer"): (3.6, 3.62, 3.58), ("embed-sqrt", "DIFF"): (3.5, 3.6, 3.55),
+              ("embed-sqrt", "DiffLlama"): (3.7, 3.7, 3.75), ("embed-sqrt", "Transformer"): (3.62, 3.64, 3.66)}
+    rows = [study_row(m, init, s, v) for (init, m), values in finals.items() for s, v in enumerate(values)]
+    lrs = {init: {m: 2e-3 if m == "DIFF" else 1e-3 for m in benchmark.MODELS} for init in args.inits}
+    found = {"task": "text", "grid": [1e-3, 2e-3, 4e-3], "sweep_steps": 200, "lr": lrs, "rows": rows,
+             "sweep": {init: {m: {"0.001": 4.5, "0.002": 4.4, "0.004": 4.6} for m in benchmark.MODELS}
+                       for init in args.inits},
+             "best_init": {"DIFF": "embed-sqrt", "DiffLlama": "embed-sqrt", "Transformer": "llama"},
+             "sweep_seconds": 7200.0}
+    report = benchmark.study_report(found, args, "python benchmarks/paper_small.py --study")
+    # DIFF - Llama at llama: +0.40, +0.48, +0.32: mean +0.4, sd 0.08, half width 2.920 * 0.08 / sqrt(3) = 0.1349
+    assert "| llama | DIFF | 0.002 | 4.000, 4.100, 3.900 | 4.000 ± 0.100 | +0.4000 +- 0.0800 [+0.2651, +0.5349]: " \
+           "DIFF higher |" in report
+    assert "| llama | Llama | 0.001 | 3.600, 3.620, 3.580 | 3.600 ± 0.020 |  |" in report
+    # DIFF at embed-sqrt - Llama at llama: -0.10, -0.02, -0.03: mean -0.05, sd 0.0436, half width 0.0735
+    assert "| DIFF | embed-sqrt | 0.002 | 3.500, 3.600, 3.550 | 3.550 ± 0.050 | -0.0500 +- 0.0436 [-0.1235, " \
+           "+0.0235]: interval covers 0 |" in report
+    assert "| 0.002 | 4.400 | 4.400 |" in report
+    assert ("at the edge of the grid for DiffLlama llama, Llama llama, DiffLlama embed-sqrt, Llama embed-sqrt."
+            in report), "DIFF's 0.002 is inside the grid 0.001-0.004, the others' 0.001 at its edge"
+    assert "the 18 runs above 3.00 hours, the sweep runs 2.00 hours" in report
+
+
+@pytest.mark.slow
+def test_paper_small_study_end_to_end_and_resumed(tmp_path, monkeypatch):
+    """--study at toy size: a sweep per family and initialisation, every seed at the swept best rate and
+    initialisation, reported; called again, it trains nothing and writes the same report."""
+    benchmark = load_paper_small()
+    argv = ["--quick", "--study", "--tasks", "retrieval", "--inits", "llama", "embed-sqrt", "--models", "DIFF",
+            "Transformer", "--seeds", "0", "1", "--steps", "4", "--lrs", "3e-3", "6e-3", "--examples", "24",
+            "--eval-samples", "1", "--curve-points", "2", "--output-dir", str(tmp_path)]
+    report = benchmark.main(argv)
+    assert "Generated by `python benchmarks/paper_small.py --quick --study --tasks retrieval" in report
+    found = json.loads((tmp_path / "retrieval" / "results.json").read_text())
+    assert found["sweep_steps"] == 2 and sorted(found["sweep"]) == ["embed-sqrt", "llama"]
+    for init in ("llama", "embed-sqrt"):
+        for model in ("DIFF", "Transformer"):
+            sweep = found["sweep"][init][model]
+            assert found["lr"][init][model] == float(min(sweep, key=sweep.get)), (init, model, sweep)
+            runs = [r for r in found["rows"] if r["model"] == model and r["init"] == init]
+            assert sorted(r["seed"] for r in runs) == [0, 1] and {r["lr"] for r in runs} == {found["lr"][init][model]}
+            assert f"| {init} | {benchmark.SHOWN[model]} | {found['lr'][init][model]:g} |" in report
+    monkeypatch.setattr(benchmark, "run_unit", lambda unit: pytest.fail(f"trained {unit[:4]} again"))
+    assert benchmark.main(argv) == report

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.folders import save_tiny_folder, sha256s
+from helpers.cli import file_hashes
+from helpers.folders import save_tiny_folder
 from helpers.without_package import client_results, run_without_package
 
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES
@@ -236,7 +237,7 @@ def test_folder_code_never_runs(tmp_path, where):
     settings = json.loads((folder / where).read_text())
     settings["auto_map"] = {**settings.get("auto_map", {}), **PLANTED[where]}
     (folder / where).write_text(json.dumps(settings))
-    before = sha256s(folder)
+    before = file_hashes(folder)
     result = run_upload(str(folder), "someone/x", "--dry-run", env={"HF_TOKEN": "hf_planted_secret"})
     assert not marker.exists(), f"the folder's code ran and wrote {marker.read_text()!r}"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr[-3000:]
@@ -246,7 +247,7 @@ def test_folder_code_never_runs(tmp_path, where):
         f"auto_map {entry[0]}={entry[1]!r}); upload publishes only the package's model code and runs none from the "
         "folder: remove those entries (a DIFF model and its tokenizer need none) (--debug shows the traceback)"
     ], result.stderr
-    assert sha256s(folder) == before, "the folder was changed"
+    assert file_hashes(folder) == before, "the folder was changed"
 
 
 def test_check_runs_without_secrets(monkeypatch, tmp_path):

@@ -11,6 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    assert_layer_matches_reference,
+    attention_params,
+    randomize_gains,
+    reference_branch_maps,
+    reference_lambda,
+    reference_projections,
+)
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_scaling.py"
 spec = importlib.util.spec_from_file_location("lm_scaling", SCRIPT)
@@ -206,15 +214,16 @@ def test_head_count_control_gaps_by_hand():
     results = fake_results()
     finals = {"Llama-h": (2.0, 2.1, 2.3), "DIFF-2h": (1.9, 1.9, 2.0), "DIFF-lambda0": (2.0, 2.0, 2.0),
               "DIFF-noSubLN": (1.8, 1.8, 1.8)}
-    finals["DIFF-V2"] = (2.0, 1.9, 2.0)
-    control_lr = {"Llama-h": 8e-3, "DIFF-2h": 4e-3, "DIFF-lambda0": 4e-3, "DIFF-noSubLN": 1.6e-2, "DIFF-V2": 2e-3}
+    finals |= {"DIFF-V2": (2.0, 1.9, 2.0), "DIFF-plus": (2.1, 2.0, 2.05), "DIFF-lambda-frozen": (1.99, 1.97, 1.98)}
+    control_lr = {"Llama-h": 8e-3, "DIFF-2h": 4e-3, "DIFF-lambda0": 4e-3, "DIFF-noSubLN": 1.6e-2, "DIFF-V2": 2e-3,
+                  "DIFF-plus": 8e-3, "DIFF-lambda-frozen": 4e-3}
     results["runs"]["controls"] = {m: {str(s): {"curve": [{"step": 1, "tokens": 1, "val_loss": v, "train_loss": v}],
                                                 "seconds": 1.0} for s, v in enumerate(finals[m])}
                                    for m in lm_scaling.CONTROLS}
     results["studies"]["controls"] = {m: {"lr": control_lr[m], "seeds": results["runs"]["controls"][m]}
                                       for m in lm_scaling.CONTROLS}
     results["parameters"] |= {"Llama-h": 467_808, "DIFF-2h": 468_480, "DIFF-lambda0": 468_384, "DIFF-noSubLN": 468_192,
-                              "DIFF-V2": 486_816}
+                              "DIFF-V2": 486_816, "DIFF-plus": 468_384, "DIFF-lambda-frozen": 468_384}
     report = lm_scaling.render(results)
     assert report == lm_scaling.render(json.loads(json.dumps(results)))
     # cfg: hidden 96, head_dim 24 -> h = 2; each control at its own swept learning rate; DIFF and Llama at the
@@ -227,7 +236,17 @@ def test_head_count_control_gaps_by_hand():
     # Llama-h - Llama: Llama's finals 2.0346, 2.0446, 2.0246 -> -0.0346, +0.0554, +0.2754: mean +0.0987
     assert "- Llama-h - Llama (Llama, h heads against 2h): +0.0987" in report
     # DIFF - DIFF-lambda0: -0.0088, -0.0388, -0.0188 (to 4 places): mean -0.0222, sd 0.0153
-    assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0): -0.0222 +- 0.0153" in report
+    assert "- DIFF - DIFF-lambda0 (lambda learned against held at 0: the second branch disabled): -0.0222 +- 0.0153" \
+        in report
+    # DIFF's finals unrounded: 1.9911556, 1.9611556, 1.9811556
+    # DIFF - DIFF-plus: -0.10884, -0.03884, -0.06884: mean -0.0722, sd 0.0351, half width 2.920 * 0.0351 / sqrt(3)
+    assert ("- DIFF - DIFF-plus (A1 - lambda A2 against A1 + lambda A2: the sign alone): -0.0722 +- 0.0351 "
+            "[-0.1314, -0.0130]: DIFF lower") in report
+    # DIFF - DIFF-lambda-frozen: +0.00116, -0.00884, +0.00116: mean -0.0022, sd 0.0058
+    assert ("- DIFF - DIFF-lambda-frozen (lambda learned against fixed at lambda_init): -0.0022 +- 0.0058 "
+            "[-0.0119, +0.0076]: interval covers 0") in report
+    assert "| DIFF-plus | 2 x 24 | 468,384 | 0.008 | 2.1000, 2.0000, 2.0500 |" in report
+    assert "DIFF-plus computes A1 + lambda A2" in report and "DIFF-lambda-frozen fixes lambda" in report
     assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
     assert "- DIFF - DIFF-noSubLN (SubLN against none): +0.1778 +- 0.0153" in report
     assert "| DIFF-noSubLN | 2 x 24 | 468,192 | 0.016 |" in report and "| DIFF-V2 | 4 x 24 | 486,816 | 0.002 |" in report
@@ -238,19 +257,25 @@ def test_head_count_control_gaps_by_hand():
     assert "lambda0 |" not in lm_scaling.render(results) and "| DIFF-2h |" in lm_scaling.render(results)
 
 
-def test_lambda_zero_control_keeps_lambda_at_zero_through_training():
+@pytest.mark.parametrize("name", ["DIFF-lambda0", "DIFF-lambda-frozen"])
+def test_fixed_lambda_controls_keep_lambda_through_training(name):
+    """lambda held at 0 (DIFF-lambda0) or at each layer's lambda_init (DIFF-lambda-frozen): zero lambda vectors get
+    no gradient and AdamW's weight decay leaves them at 0."""
     cfg = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
-    model = lm_scaling.build_model("DIFF-lambda0", cfg, 0)
+    model = lm_scaling.build_model(name, cfg, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     batch = torch.randint(0, 256, (2, 16))
     for _ in range(3):
         model(batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    lambdas = [layer.self_attn.lambda_params for layer in model.model.layers]
-    for lam in lambdas:
+    for i, layer in enumerate(model.model.layers):
+        lam = layer.self_attn.lambda_params
+        fixed = 0.0 if name == "DIFF-lambda0" else model.config.layer_lambda_init(i)
         assert all(float(p.detach().abs().max()) == 0.0 for p in lam.parameters()), "a lambda vector moved off 0"
-        assert float(lam().detach()) == 0.0 and lam.lambda_init == 0.0
+        assert float(lam().detach()) == pytest.approx(fixed, abs=1e-7) and lam.lambda_init == pytest.approx(fixed)
+    if name == "DIFF-lambda-frozen":
+        assert model.model.layers[1].self_attn.lambda_params.lambda_init > 0.2, "the schedule's lambda_init, not 0"
 
 
 @pytest.mark.parametrize("name", ["DIFF", "Llama", *lm_scaling.CONTROLS])
@@ -267,7 +292,8 @@ def test_head_layouts_keep_every_projection_shape(name):
     if lm_scaling.head_layout(name, cfg)[0] == "DIFF" and name != "DIFF-V2":  # SubLN in all but DIFF-noSubLN
         assert isinstance(attention.subln, torch.nn.Identity) == (name == "DIFF-noSubLN")
     assert lm_scaling.head_layout(name, cfg)[1] == {"DIFF": 2, "Llama": 4, "Llama-h": 2, "DIFF-2h": 4,
-                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2, "DIFF-V2": 4}[name]
+                                                          "DIFF-lambda0": 2, "DIFF-noSubLN": 2, "DIFF-V2": 4,
+                                                          "DIFF-plus": 2, "DIFF-lambda-frozen": 2}[name]
 
 
 def test_unreported_runs_travel_in_results_and_come_back(tmp_path):
@@ -289,3 +315,79 @@ def test_unreported_runs_travel_in_results_and_come_back(tmp_path):
     calls = []
     lm_scaling.cached_run(clone, pending, lambda: calls.append(1) or {})
     assert not calls, "an imported run was trained again"
+
+
+# --- the subtraction's controls: DIFF-plus (A1 + lambda A2) and DIFF-lambda-frozen (lambda fixed at lambda_init) ---
+TINY = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
+
+
+def plus_reference(x: torch.Tensor, weights: dict, config, layer_idx: int) -> torch.Tensor:
+    """(1 - lambda_init) SubLN((A1 + lambda A2) V) @ o^T in float64, from the causal softmax maps A1, A2 of the
+    tests' reference (`reference_branch_maps`), not from the model's kernels."""
+    a1, a2 = reference_branch_maps(x, weights, config)  # [B, h, T, T]
+    _, _, v = reference_projections(x, weights, config)  # [B, h_kv, T, dv]
+    lam, lam_init = reference_lambda(weights, config, layer_idx)
+    v = v.repeat_interleave(a1.shape[1] // v.shape[1], dim=1)  # kv head of each differential head
+    heads = ((a1 + lam * a2) @ v).transpose(1, 2)  # [B, T, h, dv]
+    heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    return ((1 - lam_init) * heads * weights["subln"]).flatten(2) @ weights["o"].T
+
+
+def test_plus_control_is_a1_plus_lambda_a2():
+    """DIFF-plus's layer output and every gradient (input, projections, lambda vectors, SubLN gain) against the
+    float64 reference of A1 + lambda A2; DIFF itself (A1 - lambda A2, the same weights) fails the same check, as a
+    sign flip planted in the control would; inside `frozen_lambdas` (generate) the output is unchanged."""
+    from diff_transformer.diff_lambda import frozen_lambdas
+
+    def check(name: str) -> None:
+        model = lm_scaling.build_model(name, TINY, 0).double()
+        randomize_gains(model)
+        attn = model.model.layers[1].self_attn
+        x = torch.randn(2, 12, TINY["hidden"], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        assert_layer_matches_reference(
+            attn, model.model, x.requires_grad_(), None, attention_params(attn),
+            lambda x_ref, weights, _: plus_reference(x_ref, weights, model.config, 1), torch.float32, name)
+
+    check("DIFF-plus")
+    with pytest.raises(AssertionError, match="output"):
+        check("DIFF")
+    model, batch = lm_scaling.build_model("DIFF-plus", TINY, 0).eval(), torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        free = model(batch).logits
+        with frozen_lambdas(model):
+            frozen = model(batch).logits
+    assert torch.equal(free, frozen), f"frozen_lambdas changed DIFF-plus: max diff {(free - frozen).abs().max():.3e}"
+
+
+def zero_gradient(name: str, cfg: dict) -> tuple[set[str], int]:
+    """(names of the parameters whose gradient is exactly zero after one backward, parameter count)."""
+    model = lm_scaling.build_model(name, cfg, 0)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(batch, labels=batch).loss.backward()
+    named = dict(model.named_parameters())
+    return {n for n, p in named.items() if p.grad is None or not p.grad.any()}, sum(p.numel() for p in named.values())
+
+
+def test_subtraction_controls_keep_diffs_parameters_and_gradient_flow():
+    """At the benchmark's size: DIFF-plus and DIFF-lambda-frozen have DIFF's parameter count; every parameter of DIFF
+    gets a nonzero gradient, and so does every one of DIFF-plus; DIFF-lambda-frozen differs by its lambda vectors
+    alone; DIFF-lambda0 also cuts the second branch's queries and keys (the 37,248 parameters the docs quote)."""
+    cfg = lm_scaling.FULL
+    silent = {name: zero_gradient(name, cfg) for name in ("DIFF", "DIFF-plus", "DIFF-lambda-frozen", "DIFF-lambda0")}
+    assert {name: count for name, (_, count) in silent.items()} == dict.fromkeys(silent, 468_384)
+    assert silent["DIFF"][0] == set(), f"DIFF: no gradient to {sorted(silent['DIFF'][0])}"
+    assert silent["DIFF-plus"][0] == set(), f"DIFF-plus: no gradient to {sorted(silent['DIFF-plus'][0])}"
+    lambdas = {f"model.layers.{i}.self_attn.lambda_params.{v}" for i in range(cfg["layers"])
+               for v in ("q1", "k1", "q2", "k2")}
+    assert silent["DIFF-lambda-frozen"][0] == lambdas
+    model = lm_scaling.build_model("DIFF-lambda0", cfg, 0)
+    model(torch.randint(0, 256, (2, 16)), labels=torch.randint(0, 256, (2, 16))).loss.backward()
+    second = sum(int((p.grad == 0).sum()) for n, p in model.named_parameters()
+                 if n.endswith(("q_proj.weight", "k_proj.weight")) or "lambda_params" in n)
+    assert second == 37_248, f"parameters without gradient in DIFF-lambda0: {second}"
+
+
+def test_controls_option_names_the_choices():
+    assert lm_scaling.control_names("plus,frozen") == ("DIFF-plus", "DIFF-lambda-frozen")
+    with pytest.raises(Exception, match="unknown control minus: give some of llama-h, 2h, lambda0"):
+        lm_scaling.control_names("plus,minus")

@@ -2,7 +2,9 @@
 config.json keys, weight names and row orders, safetensors sharded with an index) are converted and compared with a
 float64 reference of the published math (motif_format.py: vLLM 0.10.2's Motif port and its differential backend,
 mlx-motif's model), which reads the *unconverted* weights and uses no package code. Planted faults in the reference
-(adjacent pairing, the lambda_init offset, the PolyNorm order, the GDA grouping) must each be caught. A converted
+(adjacent pairing, the lambda_init offset, the PolyNorm order, the GDA grouping) must each be caught. GDA folders
+convert natively (the publisher's parameter count exactly, also for Motif-2-12.7B's real field list on the meta
+device) or, on request, copy-expanded to plain DIFF; Motif-3-style folders are refused before any work. A converted
 folder then works as any DIFF folder: generate, save / reload, LoRA with the project's defaults, and
 trust_remote_code without the package. MOTIF_CHECKPOINT=FOLDER compares a real download with the publisher's code."""
 
@@ -12,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.motif_format import BASE, CASES, FAULTS, random_weights, reference_logits, write_motif_folder
+from helpers.motif_format import (BASE, CASES, FAULTS, MOTIF_3, REAL_12_7B, REAL_12_7B_PARAMETERS, random_weights,
+                                  reference_logits, source_shapes, write_motif_folder)
 
 from diff_transformer import DiffForCausalLM
-from diff_transformer.tools.motif import MotifFormatError, added_parameters, convert_motif, import_motif
+from diff_transformer.tools.motif import (MotifFormatError, added_parameters, convert_motif, import_motif,
+                                          motif_config)
 
 # fp32 logits of a converted model vs the float64 reference: the largest error measured over CASES is 5.4e-6
 # (gda-tied; logits up to ~5, three layers with PolyNorm's cubes); a planted fault moves them by 1.3 or more.
@@ -77,10 +81,61 @@ def test_converted_folder_config_and_files(converted):
     assert gap < ATOL, f"reloaded folder's logits differ by {gap:.3g}"
 
 
-def test_added_parameters_are_the_noise_copies(converted):
+def test_parameters_are_the_publishers(converted):
+    """Natively converted (grouped noise heads as the source has them), the model holds exactly the source's
+    parameters: no copied rows."""
     fields, weights, model, _ = converted
+    assert model.num_parameters() == sum(w.numel() for w in weights.values()) and added_parameters(fields) == 0
+    assert model.config.num_noise_heads == fields.get("num_noise_heads", fields["num_attention_heads"] // 2)
+
+
+@pytest.mark.parametrize("case", [name for name in CASES if "gda" in name])
+def test_expanded_noise_heads_give_plain_diff(tmp_path, case):
+    """On request, each noise head is copied to every signal head of its group: plain DIFF, the same logits, the
+    copies' parameters added; the reference's GDA-grouping fault still moves them."""
+    fields = {**BASE, **CASES[case]}
+    weights = random_weights(fields)
+    model = import_motif(write_motif_folder(tmp_path, fields, weights), expand_noise_heads=True)
+    assert model.config.num_noise_heads == model.config.num_attention_heads
     added = model.num_parameters() - sum(w.numel() for w in weights.values())
-    assert added == added_parameters(fields), (added, added_parameters(fields))
+    assert added == added_parameters(fields, expand_noise_heads=True) > 0, added
+    assert max_error(model, weights, fields) < ATOL
+    assert max_error(model, weights, fields, "gda_grouping") > 100 * ATOL
+
+
+def test_real_12_7b_config_converts_to_the_publishers_parameter_count():
+    """Config only, on the meta device: Motif-2-12.7B's field list gives a GDA DiffConfig whose model has the
+    publisher's 12,703,860,896 parameters (counted from its tensor shapes too); expanded, the copies' more."""
+    fields = {**BASE, **REAL_12_7B}
+    assert sum(torch.Size(shape).numel() for shape in source_shapes(fields).values()) == REAL_12_7B_PARAMETERS
+    for expand in (False, True):
+        config = motif_config(fields, expand_noise_heads=expand)
+        with torch.device("meta"):
+            model = DiffForCausalLM(config)
+        expected = REAL_12_7B_PARAMETERS + added_parameters(fields, expand_noise_heads=expand)
+        assert model.num_parameters() == expected, (expand, model.num_parameters(), expected)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert motif_config(fields).num_noise_heads == 8
+
+
+def test_motif_3_is_refused_before_any_work(tmp_path, capsys):
+    """A Motif-3-style folder: `convert` answers in one line naming the architecture (exit code 2, as every CLI
+    refusal, tests/test_cli_inputs.py), writes nothing to OUT and leaves the source's files as they were."""
+    import hashlib
+
+    from diff_transformer_cli import main
+
+    fields = {**BASE, **CASES["v1-mha-tied"], **MOTIF_3}
+    source = write_motif_folder(tmp_path / "motif3", fields, random_weights({**BASE, **CASES["v1-mha-tied"]}))
+    digests = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in source.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(source), str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("diff-transformer convert: error: Motif3ForCausalLM with "), lines
+    assert "not supported" in lines[0] and "mixture of experts" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+    assert digests == {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in source.iterdir()}
 
 
 def test_generate_matches_full_forwards(converted):
@@ -181,11 +236,13 @@ def test_cli_converts_a_motif_folder(tmp_path, capsys):
     fields = {**BASE, **CASES["gda-tied"]}
     weights = random_weights(fields)
     write_motif_folder(tmp_path / "motif", fields, weights)
-    main(["convert", str(tmp_path / "motif"), str(tmp_path / "diff")])
-    printed = capsys.readouterr().out
-    assert f"{added_parameters(fields):,} parameters added" in printed, printed
-    model = DiffForCausalLM.from_pretrained(tmp_path / "diff").eval()
-    assert max_error(model, weights, fields) < ATOL
+    for options, folder in (([], "diff"), (["--expand-noise-heads"], "expanded")):
+        main(["convert", str(tmp_path / "motif"), str(tmp_path / folder), *options])
+        printed = capsys.readouterr().out
+        assert f"{added_parameters(fields, bool(options)):,} parameters added" in printed, printed
+        model = DiffForCausalLM.from_pretrained(tmp_path / folder).eval()
+        assert max_error(model, weights, fields) < ATOL
+        assert (model.config.num_noise_heads < model.config.num_attention_heads) != bool(options)
 
 
 def motif_fields(**overrides) -> dict:
@@ -195,6 +252,8 @@ def motif_fields(**overrides) -> dict:
 @pytest.mark.parametrize("overrides, named", [
     (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
     (dict(k_ratio=2, num_noise_heads=2), "k_ratio"),
+    (dict(n_routed_experts=64), "MotifForCausalLM with mixture of experts"),
+    (dict(architectures=["Motif3ForCausalLM"]), "Motif3ForCausalLM"),
     (dict(hidden_act="silu"), "hidden_act"),
     (dict(scale_emb=12.0), "scale_emb"),
     (dict(use_qk_norm=True), "use_qk_norm"),
@@ -257,7 +316,7 @@ def test_shards_outside_the_folder_refused(tmp_path, how):
     import subprocess
     import sys
 
-    from helpers.folders import sha256s
+    from helpers.cli import file_hashes
 
     fields = motif_fields()
     source = write_motif_folder(tmp_path / "motif", fields, random_weights(fields))
@@ -273,10 +332,10 @@ def test_shards_outside_the_folder_refused(tmp_path, how):
     assert str(error.value) == expected
     if how != "dotdot":
         return
-    before = sha256s(tmp_path)
+    before = file_hashes(tmp_path)
     result = subprocess.run([sys.executable, "-m", "diff_transformer_cli", "convert", str(source),
                              str(tmp_path / "out")], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                             timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=Path(__file__).parents[1])
     assert result.returncode == 2 and result.stderr.splitlines() == [
         f"diff-transformer convert: error: {expected} (--debug shows the traceback)"], result.stderr[-3000:]
-    assert sha256s(tmp_path) == before and not (tmp_path / "out").exists()
+    assert file_hashes(tmp_path) == before and not (tmp_path / "out").exists()

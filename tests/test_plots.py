@@ -40,6 +40,10 @@ ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs" / "evaluation.md"
 EXAMPLE = ROOT / "docs" / "images" / "attention_noise"  # the committed example: .md and .png
 PRINTED = 5e-4 + 1e-6  # the tables print 3 decimals
+# The evaluation commands measure in float32 (bf16 sums moved by up to 0.1 between CPUs where a row sum is small), so a
+# recomputation on another CPU differs from the committed table by fp32 rounding (~1e-6) besides its printed decimals;
+# a table printed on either side of a rounding boundary differs in the last digit (2 * PRINTED).
+CROSS_CPU = 1e-5
 ATOL = 1e-6  # fp32 head means, compared with the same maps read directly
 
 
@@ -240,8 +244,8 @@ def test_committed_example_recomputes_to_its_table(tmp_path):
     """The documented command's run, on the committed retrieval models, recomputed here: its table has the committed
     table's numbers and its heatmap data summed as the table sums give them (raw answer, noise, row sum per layer,
     their means and the share: the bf16 models' heads differ a little in row sum, so the normalised figures are not
-    a division of head-averaged rows), to the printed digits (on another CPU a last digit may move by one, hence
-    1e-3); and the image's size is the committed image's."""
+    a division of head-averaged rows), to the printed digits and the bf16 models' drift between CPUs (`CROSS_CPU`);
+    and the image's size is the committed image's."""
     args = build_parser().parse_args(shlex.split(documented_command())[1:])
     folders = {"diff": args.model, "baseline": args.baseline}
     models = {name: load(str(ROOT / folder), "eager") for name, folder in folders.items()}
@@ -250,10 +254,10 @@ def test_committed_example_recomputes_to_its_table(tmp_path):
     got = noise_table(reports)
     numbers = [re.findall(r"-?\d+\.\d+|excluded", text) for text in (got, committed)]
     assert len(numbers[0]) == len(numbers[1]) and all(
-        a == b if "excluded" in (a, b) else abs(float(a) - float(b)) <= 1e-3 + 1e-9 for a, b in zip(*numbers)), (
-        "recomputed table differs from the committed one")
+        a == b if "excluded" in (a, b) else abs(float(a) - float(b)) <= 2 * PRINTED + CROSS_CPU
+        for a, b in zip(*numbers)), "recomputed table differs from the committed one"
     fig = save_noise_plot(reports, tmp_path / "noise.png")
-    check_aggregates(read_back(fig), reports, committed, tolerance=1e-3 + 1e-9, normalised=False)
+    check_aggregates(read_back(fig), reports, committed, tolerance=PRINTED + CROSS_CPU, normalised=False)
     assert png_size(tmp_path / "noise.png") == png_size(EXAMPLE.with_suffix(".png"))
     assert EXAMPLE.with_suffix(".png").stat().st_size < 150_000
     assert "](images/attention_noise.png)" in DOCS.read_text()

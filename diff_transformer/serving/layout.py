@@ -31,14 +31,16 @@ MERGE_ADVICE = ("vLLM's LoRA cannot apply the modules_to_save (lambda_params, su
 
 def natural_widths(config) -> dict[str, int]:
     """Per layer kind, the width of the paged attention heads before any padding for the kernel:
-    V1 max(2d, dv) (packed keys (k1 | k2) and v in one head size), V2 d, standard d, or 2d where dv = d in a hybrid
-    stack with V1 layers, so that both kinds store the same bytes per token (vLLM pages all layers alike)."""
-    d, dv = config.head_dim, config.value_head_dim
+    V1 max(2d, dv) (packed keys (k1 | k2) and v in one head size), V2 d, standard d, or, in a hybrid
+    stack with V1 layers, the width that stores the same bytes per token as a V1 layer (vLLM pages all layers
+    alike). What each layer caches is `config.layer_cache`."""
+    differential, standard = config.layer_cache("differential"), config.layer_cache("standard")
+    width = max(differential.key_dim, differential.value_dim)
     if config.diff_version == 2:
-        return {"differential": d, "standard": d}
-    differential = max(2 * d, dv)
+        return {"differential": width, "standard": width}
     has_v1 = "differential" in config.attention_types
-    return {"differential": differential, "standard": differential * d // dv if has_v1 else d}
+    return {"differential": width,
+            "standard": differential.kv_heads * width // standard.kv_heads if has_v1 else standard.key_dim}
 
 
 def kernel_width(width: int, head_sizes: tuple[int, ...] | None) -> int:
@@ -59,9 +61,7 @@ def layer_widths(config, head_sizes: tuple[int, ...] | None = None) -> dict[str,
 
 def kv_bytes_per_token(config, widths: dict[str, int]) -> dict[str, int]:
     """Per layer kind present in the stack, K and V elements cached per token (vLLM needs them equal)."""
-    widen = config.value_head_dim // config.head_dim if config.diff_version == 1 else 1
-    heads = {"differential": config.num_key_value_heads, "standard": config.num_key_value_heads * widen}
-    return {kind: 2 * heads[kind] * widths[kind] for kind in set(config.attention_types)}
+    return {kind: 2 * config.layer_cache(kind).kv_heads * widths[kind] for kind in set(config.attention_types)}
 
 
 def unimplemented_fields(fields: dict) -> list[str]:
@@ -135,6 +135,10 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
                          f"{pipeline_parallel_size}: only one process is verified for DIFF models under vLLM "
                          "(docs/serving.md); serve with tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if getattr(config, "num_noise_heads", None) not in (None, config.num_attention_heads):
+        raise ValueError(f"num_noise_heads={config.num_noise_heads}: the DIFF vLLM model does not compute grouped "
+                         "noise heads (GDA) yet; serve with transformers, or convert the source again with "
+                         "--expand-noise-heads (plain DIFF)")
     if config.hidden_act not in ("silu", "poly_norm"):
         raise ValueError(f"hidden_act={config.hidden_act!r}: the DIFF vLLM model computes silu and poly_norm MLPs "
                          "only")

@@ -13,30 +13,24 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline, set_seed
 from transformers import dynamic_module_utils
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
 from ..folder_defaults import generation_defaults
-from ..saved_folder import (
-    check_weights_manifest,
-    checkpoint_step,
-    checkpoints,
-    nearest_existing,
-    read_config,
-    read_json,
-)
+from ..saved_folder import check_weights_manifest, checkpoint_step, nearest_existing, read_config, read_json
 from ..tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
 from .model_size import check_model_size, header_shapes
+from .safe_write import RUN_RECORD, kill_point, staged_folder, tensor_bytes, write_file, write_text
 from .training import (
     TERMINAL,
     NonFiniteStopCallback,
+    ResumedRun,
     TimeLimit,
     clear_run,
     cli_trainer,
-    move_into_place,
     nothing_half_written,
-    staging_folder,
     train_until_stopped,
     training_arguments,
 )
@@ -219,6 +213,13 @@ def training_generation_config(tokenizer) -> GenerationConfig:
     )
 
 
+def run_record(args: argparse.Namespace) -> dict:
+    """What identifies a run, recorded in each checkpoint (`safe_write.RUN_RECORD`) and in training_args.json: its
+    options, the sha256 of its --data file, and the options changed on a resume (`--change`)."""
+    return {"options": {name: getattr(args, name) for name in TRAINING_OPTIONS if name != "resume"},
+            "data_sha256": getattr(args, "data_sha256", None), "changes": getattr(args, "changes", [])}
+
+
 def save_training_args(args: argparse.Namespace, result, folder: Path, start: int) -> None:
     """training_args.json: the options this run was given and what it did (the Hub model card reads it); a run
     resumed from the checkpoint of step `start` records it, and the mean loss is that of the steps after it."""
@@ -228,8 +229,30 @@ def save_training_args(args: argparse.Namespace, result, folder: Path, start: in
         "steps": result.global_step,
         "mean_training_loss": result.training_loss,
         **({"resumed_from_step": start} if start else {}),
+        **{key: value for key, value in run_record(args).items() if key != "options" and value},
     }
     (folder / "training_args.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def checkpoint_files(tokenizer, record: dict) -> Callable[[Path], None]:
+    """What each checkpoint holds besides Trainer's files: the tokenizer (so that `generate OUT/checkpoint-STEP`
+    runs) and the run's record, which `--resume` compares its options with."""
+    def write(folder: Path) -> None:
+        tokenizer.save_pretrained(folder)
+        kill_point("partial", folder)
+        (folder / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return write
+
+
+def checkpoint_result(model: torch.nn.Module, checkpoint: Path) -> TrainOutput:
+    """A checkpoint of the run's last step, as training would have ended: its weights in `model`, its step, and the
+    mean of the losses it logged."""
+    from safetensors.torch import load_model
+
+    load_model(model, checkpoint / "model.safetensors")  # tied weights, which the file holds once, included
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    losses = [entry["loss"] for entry in state.get("log_history", []) if "loss" in entry]
+    return TrainOutput(state["global_step"], sum(losses) / max(len(losses), 1), {"train_runtime": 0.0})
 
 
 def retrieval_result(task, accuracy: float) -> dict:
@@ -242,15 +265,33 @@ def retrieval_result(task, accuracy: float) -> dict:
 
 def save_eval_results(folder: Path, results: list[dict]) -> None:
     """eval_results.json in a saved folder: what was measured on it (the Hub card's model-index reads it), written
-    through a temporary file and a rename."""
-    tmp = folder / "eval_results.json.tmp"
-    tmp.write_text(json.dumps({"results": results}, indent=2) + "\n")
-    os.replace(tmp, folder / "eval_results.json")
+    whole or not at all (`safe_write.write_text`)."""
+    write_text(folder / "eval_results.json", json.dumps({"results": results}, indent=2) + "\n")
+
+
+def resume_note(args: argparse.Namespace, checkpoint: Path) -> str:
+    """Which checkpoint a resumed run continues from, after the newer ones it skipped as incomplete."""
+    skipped = "".join(f"skipping {line}\n" for line in getattr(args, "skipped_checkpoints", []))
+    return f"{skipped}resuming from {checkpoint} (step {checkpoint_step(checkpoint)})"
+
+
+def train_from(trainer, stop, checkpoint: Path | None, max_steps: int) -> TrainOutput:
+    """Train to `max_steps`, from `checkpoint` where resuming; a checkpoint of the last step is the result as it is
+    (Trainer would train one step more)."""
+    start = 0 if checkpoint is None else checkpoint_step(checkpoint)
+    if start >= max_steps:
+        print(f"{checkpoint} holds the run's last step ({start} of --max-steps {max_steps}): nothing left to train")
+        return checkpoint_result(trainer.model, checkpoint)
+    result = train_until_stopped(trainer, stop, checkpoint)
+    steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
+    print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
+    return result
 
 
 def run_train(args: argparse.Namespace) -> None:
     output = Path(args.output)
-    existing, staging = nearest_existing(output), staging_folder(output)
+    existing = nearest_existing(output)
+    checkpoint = getattr(args, "resume_from", None)  # the newest complete checkpoint, chosen by the checks of --resume
     set_seed(args.seed)
     task, tokenizer, dataset = build_data(args)
     if args.prompt is not None:
@@ -259,27 +300,30 @@ def run_train(args: argparse.Namespace) -> None:
         print(f"the BPE tokenizer has {len(tokenizer)} entries, fewer than --vocab-size {args.vocab_size}: "
               f"{args.data} has no more pairs to merge")
     model = DiffForCausalLM._from_config(tiny_config(tokenizer, args), attn_implementation=args.attn_implementation)
+    model.generation_config = training_generation_config(tokenizer)
+    tokenizer.model_max_length = model.config.max_position_embeddings
     print(f"DiffForCausalLM: {model.num_parameters() / 1e6:.2f}M parameters, {len(dataset)} training sequences")
     set_threads(args.threads, model)
     callbacks = [NonFiniteStopCallback(f"lower --learning-rate ({args.learning_rate:g})")]
     if args.minutes is not None:
         callbacks.append(TimeLimit(args.minutes))
-    clear_run(output, staging, args.resume)
+    if checkpoint is not None:
+        changed = "learning_rate" in (getattr(args, "change", None) or ())
+        callbacks.append(ResumedRun(args.learning_rate if changed else None))
+    clear_run(output, checkpoint is not None)
     trainer, progress, stop = cli_trainer(model, training_arguments(args, output), dataset, callbacks,
-                                          args.progress_seconds)
-    with nothing_half_written(trainer, progress, staging, output, existing):
-        start = checkpoint_step(checkpoints(output)[-1]) if args.resume else 0
-        result = train_until_stopped(trainer, stop, args.resume)
-        steps = f"steps {start + 1}-{result.global_step}" if start else f"{result.global_step} steps"
-        print(f"trained {steps} in {result.metrics['train_runtime']:.0f} s, mean loss {result.training_loss:.4f}")
+                                          args.progress_seconds, checkpoint_files(tokenizer, run_record(args)))
+    with nothing_half_written(trainer, progress, output, existing):
+        start = 0 if checkpoint is None else checkpoint_step(checkpoint)
+        if checkpoint is not None:
+            print(resume_note(args, checkpoint))
+        result = train_from(trainer, stop, checkpoint, args.max_steps)
         check_finite_weights(model, "the trained model")
-        model.generation_config = training_generation_config(tokenizer)
-        tokenizer.model_max_length = model.config.max_position_embeddings
-        staging.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(staging)  # not trainer.save_model: its pickled training_args.bin is no model file
-        tokenizer.save_pretrained(staging)
-        save_training_args(args, result, staging, start)
-        move_into_place(staging, output)  # the finished model replaces the run's checkpoints
+        with staged_folder(output, replace=True, needed=lambda: tensor_bytes(model.state_dict().values()),
+                           hint="free some space, or choose another --output") as staging:
+            model.save_pretrained(staging)  # not trainer.save_model: its pickled training_args.bin is no model file
+            tokenizer.save_pretrained(staging)
+            save_training_args(args, result, staging, start if result.global_step > start else 0)
     print(f"saved to {args.output}")
     reloaded = load_checked_model(args.output).eval()
     print(f"reloaded through AutoModelForCausalLM: {type(reloaded).__name__}")
@@ -387,9 +431,12 @@ def run_convert(args: argparse.Namespace) -> None:
         options["allow_sliding_window"] = True
     if args.ignore_field:
         options["ignore_fields"] = tuple(args.ignore_field)
-    model = convert_checkpoint(args.src, args.out, dtype=args.dtype, **options)
+    if args.expand_noise_heads:
+        options["expand_noise_heads"] = True
+    model = convert_checkpoint(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite, **options)
     is_motif = Path(args.src).is_dir() and motif.is_motif_folder(args.src)
-    added = motif.added_parameters(read_config(args.src)) if is_motif else added_parameters(model)
+    added = (motif.added_parameters(read_config(args.src), args.expand_noise_heads) if is_motif
+             else added_parameters(model))
     print(f"saved {type(model).__name__} to {args.out}: attention_types={model.config.attention_types}, "
           f"{added:,} parameters added ({added / (model.num_parameters() - added):+.2%})")
 
@@ -407,18 +454,20 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
         check_context(folder, args.length, f"--length {args.length}")
     if args.baseline is not None:
         check_same_encoding(tokenizers["diff"], tokenizers["baseline"], args.model, args.baseline)
-    models = {name: (load_checked_model(folder, attn_implementation=attn_implementation).eval(), tokenizers[name])
+    # float32 whatever the saved dtype: the measurements sum and divide attention weights (evaluation.load_model)
+    models = {name: (load_checked_model(folder, attn_implementation=attn_implementation, dtype=torch.float32).eval(),
+                     tokenizers[name])
               for name, folder in folders.items()}
     set_threads(args.threads, models["diff"][0])
     return models
 
 
 def write_report(table: str, output: str, plot: Callable[[str], bool]) -> None:
-    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed."""
+    """Print the table and write PREFIX.md, then PREFIX.png through `plot(path)` when matplotlib is installed, each
+    whole or not at all (`safe_write.write_file`)."""
     print(table)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{output}.md").write_text(table + "\n")
-    if plot(f"{output}.png"):
+    write_text(Path(f"{output}.md"), table + "\n")
+    if write_file(Path(f"{output}.png"), lambda staged: plot(str(staged))):
         print(f"wrote {output}.md and {output}.png")
     else:
         print(f"wrote {output}.md; matplotlib is not installed, so no {output}.png (pip install matplotlib)")

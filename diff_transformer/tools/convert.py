@@ -25,10 +25,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 
 from ..configuration_diff import DiffConfig
 from ..modeling_diff import DiffForCausalLM
+from .safe_write import staged_folder, target_problem, tensor_bytes
 from .target import copy_tokenizer, load_target
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "diffllama")
+MOTIF_OPTIONS = ("ignore_fields", "expand_noise_heads")  # `convert_motif`'s options
 SHARED_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act", "max_position_embeddings",
     "initializer_range", "rms_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
@@ -197,23 +199,34 @@ def convert(source: PreTrainedModel, **options) -> DiffForCausalLM:
     return convert_llama_family(source, **options)
 
 
-def convert_checkpoint(src: str, out: str, dtype: str = "auto", **options) -> DiffForCausalLM:
+def convert_checkpoint(src: str, out: str, dtype: str = "auto", overwrite: bool = False,
+                       **options) -> DiffForCausalLM:
     """Load `src` (folder or Hub id), convert, save model, generation config and tokenizer files to `out`. A local
-    Motif-2 folder goes to `motif.convert_motif` (its only option: `ignore_fields`)."""
+    Motif folder goes to `motif.convert_motif` (its options: `MOTIF_OPTIONS`).
+
+    `out` is written whole or not at all (`safe_write.staged_folder`): a missing or empty folder, or with
+    `overwrite` a saved model, replaced whole (none of its files stays beside the new weights); never `src` or a
+    folder inside or around it, nor a folder of other files."""
     from .motif import convert_motif, is_motif_folder
 
+    inputs = (Path(src),) if Path(src).expanduser().exists() else ()
+    if problem := target_problem(Path(out), overwrite, inputs):
+        raise ValueError(problem)
     if Path(src).is_dir() and is_motif_folder(src):
-        if set(options) - {"ignore_fields"}:
-            raise ValueError(f"{', '.join(sorted(set(options) - {'ignore_fields'}))} do(es) not apply to Motif-2 "
+        if set(options) - set(MOTIF_OPTIONS):
+            raise ValueError(f"{', '.join(sorted(set(options) - set(MOTIF_OPTIONS)))} do(es) not apply to Motif-2 "
                              "checkpoints, which convert whole (every layer is differential already)")
-        return convert_motif(src, out, dtype, **options)
-    if "ignore_fields" in options:
-        raise ValueError("ignore_fields applies to Motif-2 checkpoints only")
+        with staged_folder(Path(out), replace=overwrite) as staging:
+            return convert_motif(src, staging, dtype, **options)
+    if found := set(options) & set(MOTIF_OPTIONS):
+        raise ValueError(f"{', '.join(sorted(found))} appl(ies) to Motif-2 checkpoints only")
     check_supported(AutoConfig.from_pretrained(src))
     source = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     model = convert(source, **options)
-    model.save_pretrained(out)
-    copied = copy_tokenizer(src, out) if Path(src).is_dir() else []
+    needed = tensor_bytes(model.state_dict().values())
+    with staged_folder(Path(out), replace=overwrite, needed=needed) as staging:
+        model.save_pretrained(staging)
+        copied = copy_tokenizer(src, str(staging)) if Path(src).is_dir() else []
     if not copied:
         warnings.warn(f"no tokenizer files found in {src}; save the source tokenizer into {out} yourself", stacklevel=2)
     return model

@@ -258,7 +258,10 @@ def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, titl
 
 
 def load_model(model_dir: str, attn_implementation: str = "sdpa"):
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation).eval()
+    """The model in `model_dir` in float32, whatever dtype its weights were saved in: the measurements sum and divide
+    attention weights, and bf16 sums differ between CPUs by more than the tables print."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
+                                                dtype=torch.float32).eval()
 
 
 def load(model_dir: str, attn_implementation: str = "sdpa"):

@@ -10,10 +10,15 @@ SubLN over 2d with its own epsilon (`attn_rms_norm_eps`) and `lambda_init(l) = 0
   over k1 of its kv group, the noise head of its q group (i // gr) with its q over k2, both read V = [v1 | v2] (2d):
   `out_i = (1 - lambda_init) SubLN(A_signal V - lambda A_noise V)`. Motif-2.6B is the case gr = 1 (adjacent
   pairing: q1 = heads 0, 2, 4, ..., q2 = heads 1, 3, ...), with no parameter more than this package's V1 layer.
-- In our layout (docs/design.md §2) differential head i is signal head i with, as branch 2, a copy of its group's
-  noise-q rows; kv head m holds (k1[m], k2[m]) and v = [v1[m] | v2[m]], which are already adjacent in the source.
-  For gr > 1 this is exact for inference and stores gr - 1 extra copies of each noise-q row block (fine-tuning may
-  let the copies drift apart; native grouped heads are not implemented).
+- In our layout (docs/design.md §2) differential head i is signal head i; branch 2 holds the groups' noise-q
+  rows once each (`num_noise_heads` = the groups: grouped differential attention natively, each group's noise map
+  computed once), and kv head m holds (k1[m], k2[m]) and v = [v1[m] | v2[m]], which are already adjacent in the
+  source. The parameters are the publisher's, tensor for tensor. On request (`expand_noise_heads`, CLI
+  `convert --expand-noise-heads`) each noise-q row block is instead copied to every signal head of its group: plain
+  DIFF (every backend and server that takes DIFF), exact for inference, gr - 1 extra copies per group, which
+  fine-tuning lets drift apart.
+- Other Motif releases (Motif-3: mixture of experts, grouped differential latent attention, hyper-connections) are
+  refused by their fields before any work (`UNSUPPORTED_RELEASE_FIELDS`).
 
 The converter reads config.json and (sharded) safetensors directly, so the publisher's remote code is never run.
 config.json fields it does not know are refused by name unless unset (null / false), since a field the public ports
@@ -48,6 +53,14 @@ MAPPED = {
     "attention_bias", "qkv_bias", "num_noise_heads", "k_ratio", "attention_dropout", "sliding_window",
     "use_sliding_window", "partial_rotary_factor", "is_causal",
 }
+# Fields that mark a Motif release other than Motif-2, with what they add: refused before any work.
+UNSUPPORTED_RELEASE_FIELDS = {
+    "mhc_enabled": "hyper-connections", "hc_mult": "hyper-connections",
+    "kv_lora_rank": "latent attention", "q_lora_rank": "latent attention",
+    "n_routed_experts": "mixture of experts", "num_experts": "mixture of experts",
+    "num_local_experts": "mixture of experts", "n_shared_experts": "mixture of experts",
+    "num_experts_per_tok": "mixture of experts", "moe_intermediate_size": "mixture of experts",
+}
 ATTN_RMS_NORM_EPS = 1e-5  # the publisher's default where config.json omits attn_rms_norm_eps (as mlx-motif reads it)
 INERT_BUFFERS = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed from rope_theta
 
@@ -57,9 +70,27 @@ class MotifFormatError(ValueError):
 
 
 def is_motif_config(fields: dict) -> bool:
-    """Whether a config.json (as a dict) is a Motif-2 checkpoint's."""
-    return str(fields.get("model_type", "")).lower() == "motif" or any(
-        name in MOTIF_ARCHITECTURES for name in fields.get("architectures") or [])
+    """Whether a config.json (as a dict) is a Motif checkpoint's (any release: `check_release` refuses all but
+    Motif-2)."""
+    return str(fields.get("model_type", "")).lower().startswith("motif") or any(
+        str(name).startswith("Motif") for name in fields.get("architectures") or [])
+
+
+def check_release(fields: dict) -> None:
+    """Refuse, in one line naming the architecture, a Motif release other than Motif-2: by the fields its
+    architecture adds (`UNSUPPORTED_RELEASE_FIELDS`), or by an architecture name that is not Motif-2's."""
+    architecture = ", ".join(fields.get("architectures") or []) or fields.get("model_type", "?")
+    found = [name for name in UNSUPPORTED_RELEASE_FIELDS if fields.get(name) not in (None, False, 0)]
+    if found:
+        parts = sorted({UNSUPPORTED_RELEASE_FIELDS[name] for name in found})
+        raise MotifFormatError(f"{architecture} with {', '.join(parts)} ({', '.join(found)}) is not a Motif-2 "
+                               "model (Motif-3 has these) and is not supported: only Motif-2 checkpoints "
+                               "(Motif-2.6B, Motif-2-12.7B) convert")
+    if str(fields.get("model_type", "motif")).lower() != "motif" or not set(
+            fields.get("architectures") or MOTIF_ARCHITECTURES) <= set(MOTIF_ARCHITECTURES):
+        raise MotifFormatError(f"{architecture} (model_type {fields.get('model_type')!r}) is not a Motif-2 model "
+                               "and is not supported: only MotifForCausalLM checkpoints (Motif-2.6B, "
+                               "Motif-2-12.7B) convert")
 
 
 def is_motif_folder(folder: str | Path) -> bool:
@@ -69,6 +100,7 @@ def is_motif_folder(folder: str | Path) -> bool:
 def check_fields(fields: dict, ignore_fields: tuple[str, ...] = ()) -> None:
     """Refuse, by name, fields that change the forward in a way the DIFF model does not compute, and unknown fields
     that are set (not null / false) unless listed in `ignore_fields`."""
+    check_release(fields)
     problems = []
     if fields.get("use_sliding_window"):
         problems.append(f"use_sliding_window=true (sliding_window={fields.get('sliding_window')}): the DIFF model "
@@ -130,10 +162,12 @@ def rope_parameters(fields: dict) -> dict:
     return {"rope_type": "default", **scaling, "rope_theta": float(fields.get("rope_theta", 10000.0))}
 
 
-def motif_config(fields: dict) -> DiffConfig:
-    """The `DiffConfig` computing the Motif checkpoint of config.json `fields` (module docstring)."""
+def motif_config(fields: dict, expand_noise_heads: bool = False) -> DiffConfig:
+    """The `DiffConfig` computing the Motif checkpoint of config.json `fields` (module docstring): grouped noise
+    heads as the source has them, or one per head with `expand_noise_heads`."""
     layout, bias = head_layout(fields), biases(fields)
     return DiffConfig(
+        num_noise_heads=None if expand_noise_heads else layout["groups"],
         vocab_size=fields["vocab_size"], hidden_size=fields["hidden_size"],
         intermediate_size=fields["intermediate_size"], num_hidden_layers=fields["num_hidden_layers"],
         num_attention_heads=layout["groups"] * layout["gr"], num_key_value_heads=layout["kv_groups"],
@@ -148,14 +182,14 @@ def motif_config(fields: dict) -> DiffConfig:
     )
 
 
-def query_rows(groups: int, gr: int, d: int) -> torch.Tensor:
+def query_rows(groups: int, gr: int, d: int, expand_noise_heads: bool = False) -> torch.Tensor:
     """Source q_proj rows in our order [branch 1 | branch 2]: branch 1 = the groups' signal heads in order (source
-    head g (gr + 1) + p), branch 2 = for each signal head its group's noise head (source head g (gr + 1) + gr)."""
+    head g (gr + 1) + p), branch 2 = each group's noise head (source head g (gr + 1) + gr), once per group, or with
+    `expand_noise_heads` once per signal head of the group."""
     signal = torch.arange(groups * gr)  # our head i
-    group = signal // gr
-    branch1 = group * (gr + 1) + signal % gr
-    branch2 = group * (gr + 1) + gr
-    return sub_head_rows(torch.cat([branch1, branch2]), d)
+    branch1 = signal // gr * (gr + 1) + signal % gr
+    noise_groups = signal // gr if expand_noise_heads else torch.arange(groups)
+    return sub_head_rows(torch.cat([branch1, noise_groups * (gr + 1) + gr]), d)
 
 
 def key_rows(kv_groups: int, d: int) -> torch.Tensor:
@@ -203,7 +237,8 @@ def attention_weight(name: str, value: torch.Tensor, rows: dict[str, torch.Tenso
 
 def motif_state(state: dict[str, torch.Tensor], config: DiffConfig, layout: dict[str, int]) -> dict:
     """The source's weights under our names and in our row order (module docstring)."""
-    rows = {"q_proj": query_rows(layout["groups"], layout["gr"], layout["d"]),
+    expand = config.num_noise_heads != layout["groups"]
+    rows = {"q_proj": query_rows(layout["groups"], layout["gr"], layout["d"], expand),
             "k_proj": key_rows(layout["kv_groups"], layout["d"])}
     target = {}
     for key, value in state.items():
@@ -236,12 +271,14 @@ def source_dtype(state: dict, dtype: str) -> torch.dtype:
     return state["model.embed_tokens.weight"].dtype if dtype == "auto" else getattr(torch, dtype)
 
 
-def import_motif(folder: str | Path, dtype: str = "auto", ignore_fields: tuple[str, ...] = ()) -> DiffForCausalLM:
+def import_motif(folder: str | Path, dtype: str = "auto", ignore_fields: tuple[str, ...] = (),
+                 expand_noise_heads: bool = False) -> DiffForCausalLM:
     """`DiffForCausalLM` computing the Motif-2 checkpoint in `folder` (its config.json and safetensors).
-    `dtype` "auto" keeps the checkpoint's (its embedding's) dtype."""
+    `dtype` "auto" keeps the checkpoint's (its embedding's) dtype; `expand_noise_heads` gives plain DIFF (module
+    docstring)."""
     fields = read_config(folder)
     check_fields(fields, tuple(ignore_fields))
-    config = motif_config(fields)
+    config = motif_config(fields, expand_noise_heads)
     state = read_weights(folder)
     target = motif_state(state, config, head_layout(fields))
     model = load_target(config, target, source_dtype(state, dtype), check_weight_names)
@@ -250,11 +287,11 @@ def import_motif(folder: str | Path, dtype: str = "auto", ignore_fields: tuple[s
     return model
 
 
-def convert_motif(src: str | Path, out: str | Path, dtype: str = "auto",
-                  ignore_fields: tuple[str, ...] = ()) -> DiffForCausalLM:
+def convert_motif(src: str | Path, out: str | Path, dtype: str = "auto", ignore_fields: tuple[str, ...] = (),
+                  expand_noise_heads: bool = False) -> DiffForCausalLM:
     """Import the Motif-2 folder `src` and save it to `out` as a DIFF folder (weights, config, generation config,
     the model code, the tokenizer files)."""
-    model = import_motif(src, dtype, ignore_fields)
+    model = import_motif(src, dtype, ignore_fields, expand_noise_heads)
     model.save_pretrained(out)
     if not copy_tokenizer(str(src), str(out)):
         warnings.warn(f"no tokenizer files found in {src}; save the Motif tokenizer into {out} yourself",
@@ -262,9 +299,12 @@ def convert_motif(src: str | Path, out: str | Path, dtype: str = "auto",
     return model
 
 
-def added_parameters(fields: dict) -> int:
-    """Parameters the import adds to the checkpoint of config.json `fields`: per layer, gr - 1 more copies of each
-    group's noise-q rows (and biases); 0 for Motif-2.6B (gr = 1)."""
+def added_parameters(fields: dict, expand_noise_heads: bool = False) -> int:
+    """Parameters the import adds to the checkpoint of config.json `fields`: none natively; with
+    `expand_noise_heads`, per layer gr - 1 more copies of each group's noise-q rows (and biases), 0 for Motif-2.6B
+    (gr = 1)."""
+    if not expand_noise_heads:
+        return 0
     layout = head_layout(fields)
     inputs = fields["hidden_size"] + int(biases(fields)["qkv"])
     return (layout["gr"] - 1) * layout["groups"] * layout["d"] * inputs * fields["num_hidden_layers"]

@@ -1,7 +1,7 @@
 """Training the Differential Transformer (Ye et al., arXiv 2410.05258) with transformers' Trainer: the callbacks (lambda
 logging and warm-up, a stop on divergence, a wall-clock cap, a checkpoint on Ctrl-C or SIGTERM, progress lines) and
-the plumbing of `diff-transformer train` (Trainer's arguments and construction, resuming, checkpoints, and a staging
-folder renamed into place so that nothing is left half-written).
+the plumbing of `diff-transformer train` (Trainer's arguments and construction, resuming, and checkpoints that are
+complete or absent: `CheckpointTrainer` writes each through `safe_write.staged_folder`).
 
 `LambdaLoggingCallback` adds lambda per layer (and optionally the entropy of both softmax branches on a fixed probe
 batch) to the Trainer's logs. `LambdaWarmupCallback` ramps lambda_init of a converted model (which starts at 0,
@@ -11,7 +11,6 @@ see convert.py) linearly to a target, so the function moves away from the source
 
 import argparse
 import math
-import os
 import shutil
 import signal
 import sys
@@ -24,11 +23,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 
 from ..attention_kernels import capture_branch_attentions
 from ..modeling_diff import differential_layers
 from ..saved_folder import checkpoints
+from .safe_write import WriteError, checkpoint_problem, staged_folder, tensor_bytes
 
 TERMINAL = sys.stderr.isatty()  # progress bars redraw in place on a terminal; in a log file they are plain lines
 
@@ -291,44 +291,30 @@ def training_arguments(args: argparse.Namespace, folder: Path) -> TrainingArgume
     )
 
 
-def staging_folder(output: Path) -> Path:
-    """Where `train` writes before the rename into `output`: a hidden sibling that nobody takes for a model and
-    that blocks no rerun."""
-    return output.parent / f".{output.name}.incomplete-{os.getpid()}"
-
-
-def move_into_place(staging: Path, output: Path) -> None:
-    """Rename the finished `staging` folder to `output`: `output` is at every moment absent, the model it held
-    (replaced with --overwrite, checked before training) or the new one, never half-written."""
-    if output.is_dir() and not any(output.iterdir()):
-        output.rmdir()
-    if not output.exists():
-        os.replace(staging, output)
-        return
-    replaced = output.parent / f".{output.name}.replaced-{os.getpid()}"
-    os.replace(output, replaced)
-    os.replace(staging, output)
-    shutil.rmtree(replaced)
-
-
 def checkpoint_note(output: Path) -> str:
-    """What an interrupted run leaves: its last checkpoint in `output`, and how to continue from it."""
-    last = get_last_checkpoint(output) if output.is_dir() else None
+    """What an interrupted run leaves: its newest complete checkpoint in `output`, and how to continue from it."""
+    last = newest_complete(output)
     if last is None:
         return "nothing saved"
     return f"saved {last}: run the same command with --resume to continue from it"
 
 
+def newest_complete(output: Path) -> Path | None:
+    """The newest checkpoint in `output` that `--resume` can use (`safe_write.checkpoint_problem`), or None."""
+    found = [path for path in checkpoints(output) if checkpoint_problem(path) is None] if output.is_dir() else []
+    return found[-1] if found else None
+
+
 @contextmanager
-def nothing_half_written(trainer: Trainer, progress, staging: Path, output: Path, existing: Path) -> Iterator[None]:
-    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove `staging`, and the folders made for the run
-    below `existing` (the part of the path there before this run) where they hold no checkpoint; say in one line
-    what stopped at which step, and which checkpoint it left."""
+def nothing_half_written(trainer: Trainer, progress, output: Path, existing: Path) -> Iterator[None]:
+    """On any error (Ctrl-C, SIGTERM, divergence, a full disk): remove the folders made for the run below `existing`
+    (the part of the path there before this run) where they hold no checkpoint (what is being written is in a
+    staging folder, which `safe_write.staged_folder` removes); say in one line what stopped at which step, and which
+    checkpoint it left."""
     try:
         yield
     except BaseException as error:
         progress.close()
-        shutil.rmtree(staging, ignore_errors=True)
         remove_created_folders(output, existing)
         state = trainer.state
         where = (f"at step {state.global_step} of {state.max_steps}" if state.global_step < state.max_steps
@@ -337,7 +323,9 @@ def nothing_half_written(trainer: Trainer, progress, staging: Path, output: Path
             stopped = Interrupted(f"{str(error) or 'interrupted'} {where}; {checkpoint_note(output)}")
             stopped.exit_code = getattr(error, "exit_code", stopped.exit_code)
             raise stopped from None
-        if isinstance(error, (OSError, SafetensorError)):  # safetensors' write errors are no OSError
+        if isinstance(error, WriteError):  # a full disk: one line already, with the space needed
+            raise WriteError(f"{error} ({where}; {checkpoint_note(output)})") from error
+        if isinstance(error, (OSError, SafetensorError)):  # safetensors' errors are no OSError
             raise OSError(f"could not save the model ({error}); nothing saved: free some space, or choose another "
                           "--output") from error
         if isinstance(error, ValueError):
@@ -345,22 +333,99 @@ def nothing_half_written(trainer: Trainer, progress, staging: Path, output: Path
         raise
 
 
-def clear_run(output: Path, staging: Path, resume: bool) -> None:
-    """Remove a killed run's staging folder (whose process id this one has), and without `resume` the checkpoints of
-    an older run in `output` (--overwrite: a new run, not to be mixed with them)."""
-    shutil.rmtree(staging, ignore_errors=True)
+def clear_run(output: Path, resume: bool) -> None:
+    """Without `resume`, remove the checkpoints of an older run in `output` (--overwrite: a new run, not to be mixed
+    with them)."""
     if not resume:
         for checkpoint in checkpoints(output):
             shutil.rmtree(checkpoint)
 
 
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (tied embeddings' lm_head.weight), which checkpoints leave
+    out."""
+    return ({name for name, _ in model.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in model.named_parameters()})
+
+
+class CheckpointTrainer(Trainer):
+    """Trainer whose checkpoints are complete or absent: each is written, with `extra_files(folder)` (the tokenizer
+    and the run's record), into a private staging folder beside OUTPUT/checkpoint-STEP, fsynced and renamed into
+    place (`safe_write.staged_folder`), and only then are older ones rotated out; a full disk is one line
+    (`safe_write.WriteError`) and leaves nothing. Resuming does not warn of the tied weights the checkpoint rightly
+    leaves out.
+
+    Trainer writes a checkpoint into `_get_output_dir()`/checkpoint-STEP (transformers 5.17 to 5.24): for the save,
+    that folder is the staging one."""
+
+    def __init__(self, *args, extra_files: Callable[[Path], None] | None = None,
+                 hint: str = "free some space, or choose another output_dir", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra_files = extra_files
+        self.hint = hint
+        self.staging: str | None = None
+
+    def _get_output_dir(self, trial) -> str:
+        return self.staging or super()._get_output_dir(trial)
+
+    def checkpoint_bytes(self) -> int:
+        """About what a checkpoint takes: the weights and the optimizer's state."""
+        optimizer_state = getattr(self.optimizer, "state", {}) if self.optimizer is not None else {}
+        return tensor_bytes([*self.model.state_dict().values(),
+                             *(value for state in optimizer_state.values() for value in state.values())])
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        with staged_folder(run_dir / name, replace=True, needed=self.checkpoint_bytes, hint=self.hint,
+                           inner=name) as folder:
+            self.staging = str(folder.parent)
+            try:
+                super()._save_checkpoint(model, trial)  # its rotation sees the staging folder only
+            finally:
+                self.staging = None
+            if self.extra_files is not None:
+                self.extra_files(folder)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        tied = tied_names(self.model)
+        super()._issue_warnings_after_load(
+            load_result._replace(missing_keys=[key for key in load_result.missing_keys if key not in tied]))
+
+
+class ResumedRun(TrainerCallback):
+    """The options a resumed run changed (`--change`) in force: Trainer restores the checkpoint's log and save
+    intervals, and its scheduler and optimizer, whose peak learning rate is the old one. At the start, the intervals
+    are this run's again, and with a new `learning_rate` the peak is it and the current step's rate is the
+    schedule's from it."""
+
+    def __init__(self, learning_rate: float | None = None):
+        self.learning_rate = learning_rate
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        state.compute_steps(args, state.max_steps)
+        if self.learning_rate is None:
+            return
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate may wrap it
+        scheduler.base_lrs = [self.learning_rate] * len(scheduler.base_lrs)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"] = self.learning_rate
+            group["lr"] = self.learning_rate * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def cli_trainer(model: torch.nn.Module, arguments: TrainingArguments, dataset, callbacks: list[TrainerCallback],
-                progress_seconds: float) -> tuple[Trainer, TrainerCallback, CheckpointOnStop]:
-    """Trainer with `callbacks`, a `CheckpointOnStop`, and the command line's progress (`QuietProgress` on a
-    terminal, else `PlainProgress` every `progress_seconds`) in place of its own log printing; with the progress
-    callback and the stop."""
+                progress_seconds: float, extra_files: Callable[[Path], None]
+                ) -> tuple[Trainer, TrainerCallback, CheckpointOnStop]:
+    """`CheckpointTrainer` (writing `extra_files` into each checkpoint) with `callbacks`, a `CheckpointOnStop`, and
+    the command line's progress (`QuietProgress` on a terminal, else `PlainProgress` every `progress_seconds`) in
+    place of its own log printing; with the progress callback and the stop."""
     stop = CheckpointOnStop()
-    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[*callbacks, stop])
+    trainer = CheckpointTrainer(model=model, args=arguments, train_dataset=dataset, callbacks=[*callbacks, stop],
+                                extra_files=extra_files, hint="free some space, or choose another --output")
     for printer in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(printer)
     progress = QuietProgress() if TERMINAL else PlainProgress(progress_seconds)
@@ -368,10 +433,10 @@ def cli_trainer(model: torch.nn.Module, arguments: TrainingArguments, dataset, c
     return trainer, progress, stop
 
 
-def train_until_stopped(trainer: Trainer, stop: CheckpointOnStop, resume: bool) -> TrainOutput:
-    """`trainer.train`, from the last checkpoint with `resume`; Ctrl-C or SIGTERM saves a checkpoint, then raises."""
+def train_until_stopped(trainer: Trainer, stop: CheckpointOnStop, checkpoint: Path | None) -> TrainOutput:
+    """`trainer.train`, from `checkpoint` where given; Ctrl-C or SIGTERM saves a checkpoint, then raises."""
     with stop.installed():
-        result = trainer.train(resume_from_checkpoint=resume or None)
+        result = trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     stop.raise_if_stopped()
     return result
 

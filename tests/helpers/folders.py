@@ -1,9 +1,11 @@
-"""A tiny saved folder: model and tokenizer, as the generation and Hub tests load it."""
+"""Tiny saved folders: a DIFF model and tokenizer, as the generation and Hub tests load it, and a Llama one, as
+`convert` reads it."""
 
 from pathlib import Path
 
 import torch
 from helpers import tiny_config
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools.data import KeyValueTask
@@ -25,13 +27,12 @@ def save_tiny_folder(path: Path) -> Path:
     return path
 
 
-def sha256s(folder: Path) -> dict[str, str]:
-    """The sha256 of every file under `folder`, by its path relative to it: what a refused command must leave as it
-    was."""
-    import hashlib
-
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(Path(folder).rglob("*")) if path.is_file()}
+def save_llama(path: Path, tokenizer) -> Path:
+    """A tiny random LlamaForCausalLM (one layer, 32 wide, a 512-token context) with `tokenizer`, saved together."""
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=512)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 class PlantedPickle:

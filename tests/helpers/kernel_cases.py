@@ -21,6 +21,11 @@ class Case:
     DV: int | None = None  # value head dim; None: 2D
     attn: str = "causal"  # "causal" (no mask: bottom-right causal), "full" (no mask, no causality) or "padmask"
     rows: int | None = None  # query rows per tile of the tiled kernel; None: its default
+    N: int | None = None  # noise heads g (grouped differential attention); None: H
+
+    @property
+    def noise(self) -> int:
+        return self.H if self.N is None else self.N
 
     @property
     def dv(self) -> int:
@@ -28,10 +33,11 @@ class Case:
 
     @property
     def id(self) -> str:
-        """e.g. B2-T24-S40-H4-KV1-D16-padmask: S, KV, DV, R(ows) and attn only where not the default."""
+        """e.g. B2-T24-S40-H4-N2-KV1-D16-padmask: S, N, KV, DV, R(ows) and attn only where not the default."""
         parts = [f"B{self.B}", f"T{self.T}", f"S{self.S}" * (self.S != self.T), f"H{self.H}",
-                 f"KV{self.KV}" * (self.KV != self.H), f"D{self.D}", f"DV{self.DV}" * (self.DV is not None),
-                 f"R{self.rows}" * (self.rows is not None), self.attn * (self.attn != "causal")]
+                 f"N{self.N}" * (self.N is not None), f"KV{self.KV}" * (self.KV != self.H), f"D{self.D}",
+                 f"DV{self.DV}" * (self.DV is not None), f"R{self.rows}" * (self.rows is not None),
+                 self.attn * (self.attn != "causal")]
         return "-".join(part for part in parts if part)
 
 
@@ -63,11 +69,11 @@ def seeded_randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def leaves(case: Case, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
-    """Seeded inputs in the kernels' packed layout that require grad: q [B, 2H, T, D] in halves order, keys
+    """Seeded inputs in the kernels' packed layout that require grad: q [B, H + N, T, D] in halves order, keys
     [B, KV, S, 2D] = (k1 | k2), v [B, KV, S, DV], then lambda (fp32, 0.37)."""
     gen = torch.Generator().manual_seed(1234)
     B, T, S, H, KV, D = case.B, case.T, case.S, case.H, case.KV, case.D
-    shapes = [(B, 2 * H, T, D), (B, KV, S, 2 * D), (B, KV, S, case.dv)]
+    shapes = [(B, H + case.noise, T, D), (B, KV, S, 2 * D), (B, KV, S, case.dv)]
     tensors = [torch.randn(*shape, generator=gen).to(device, dtype) for shape in shapes]
     return [t.requires_grad_() for t in (*tensors, torch.tensor(0.37, device=device))]
 

@@ -21,6 +21,15 @@ CASES = {
     "gda-shared-kv-untied-bias": dict(num_attention_heads=15, num_key_value_heads=2, num_noise_heads=3, k_ratio=1,
                                       head_dim=8, use_bias=True),
 }
+# Motif-2-12.7B's head layout and sizes (40 q heads of which 8 noise, 16 kv heads of 128; untied), on BASE's
+# fields: the publisher's tensors of this config.json hold 12,703,860,896 parameters (`source_shapes`)
+REAL_12_7B = dict(vocab_size=219520, hidden_size=4096, intermediate_size=16384, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=16, num_noise_heads=8, k_ratio=1, head_dim=128,
+                  max_position_embeddings=16384, tie_word_embeddings=False)
+REAL_12_7B_PARAMETERS = 12_703_860_896
+# Fields of a Motif-3-style release (mixture of experts, latent attention, hyper-connections) on a Motif config.json
+MOTIF_3 = dict(architectures=["Motif3ForCausalLM"], model_type="motif3", mhc_enabled=True, hc_mult=4,
+               kv_lora_rank=512, q_lora_rank=1536, n_routed_experts=128, num_experts_per_tok=8)
 BASE = dict(model_type="motif", architectures=["MotifForCausalLM"], vocab_size=61, hidden_size=64,
             intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64, rms_norm_eps=1e-6,
             attn_rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, hidden_act="poly_norm",

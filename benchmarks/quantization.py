@@ -1,0 +1,209 @@
+"""Quantization as users meet it: transformers' CPU-capable quantization integrations (torchao, optimum-quanto) on
+saved DIFF models beside Llama, loaded with `from_pretrained(folder, quantization_config=...)`.
+
+Two modes:
+
+    python benchmarks/quantization.py --tiny     # tiny random DIFF V1, V2, hybrid and Llama: which methods run
+    python benchmarks/quantization.py --data tinyshakespeare.txt benchmarks/paper_small/text/runs/text-*.model
+                                                 # trained models: held-out loss increase per method
+
+Per model and method: the held-out loss before and after (the mean next-token loss over validation blocks of the
+text, cut as benchmarks/paper_small.py cuts it: 90% train, the last 10% held out; --tiny: random token ids), how
+many of the model's Linear layers the method replaced, and whether greedy `generate` runs. A method whose library is
+not installed is skipped with its name and the install command; one that fails says how, in one line. CPU only.
+"""
+
+import argparse
+import importlib.metadata
+import math
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, QuantoConfig, TorchAoConfig
+
+from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.tools.data import text_file_dataset
+
+
+def torchao_config(name: str) -> Callable[[], TorchAoConfig]:
+    def make() -> TorchAoConfig:
+        import torchao.quantization as quantization
+
+        return TorchAoConfig(getattr(quantization, name)())
+    return make
+
+
+# name -> (the library it needs, its install command, the quantization config)
+METHODS: dict[str, tuple[str, str, Callable]] = {
+    "torchao int8 weight-only": ("torchao", "pip install torchao", torchao_config("Int8WeightOnlyConfig")),
+    "torchao int8 dynamic activation": ("torchao", "pip install torchao",
+                                        torchao_config("Int8DynamicActivationInt8WeightConfig")),
+    "torchao int4 weight-only": ("torchao", "pip install torchao", torchao_config("Int4WeightOnlyConfig")),
+    "quanto int8": ("optimum.quanto", "pip install optimum-quanto", lambda: QuantoConfig(weights="int8")),
+    "quanto int4": ("optimum.quanto", "pip install optimum-quanto", lambda: QuantoConfig(weights="int4")),
+}
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=336, num_hidden_layers=2, num_attention_heads=2,
+            tie_word_embeddings=True)
+TINY_MODELS = {"DIFF V1": dict(), "DIFF V2": dict(diff_version=2, num_attention_heads=4),
+               "DIFF hybrid": dict(attention_types=["differential", "standard"]), "Llama": None}
+
+
+def missing_library(method: str) -> str | None:
+    """Why `method` cannot run here (its library is not installed, with the command), None when it can."""
+    import importlib.util
+
+    module, install, _ = METHODS[method]
+    found = importlib.util.find_spec(module.split(".")[0]) is not None and importlib.util.find_spec(module)
+    return None if found else f"{module} not installed (`{install}`)"
+
+
+def save_tiny_models(folder: Path) -> dict[str, Path]:
+    """Tiny random models, seed 0, saved as from_pretrained folders: {name: folder}."""
+    out = {}
+    for name, extra in TINY_MODELS.items():
+        torch.manual_seed(0)
+        if extra is None:
+            model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_attention_heads": 4, "head_dim": 32}))
+        else:
+            model = DiffForCausalLM(DiffConfig(**{**TINY, **extra}))
+        out[name] = folder / name.replace(" ", "-")
+        model.save_pretrained(out[name])
+    return out
+
+
+def held_out_loss(model, blocks: torch.Tensor) -> float:
+    """Mean next-token loss over `blocks` [N, T], 8 at a time."""
+    with torch.no_grad():
+        return statistics.mean(model(chunk, labels=chunk).loss.item() for chunk in blocks.split(8))
+
+
+def quantized_linears(model) -> str:
+    """'n of N': the Linear layers whose weight the method replaced (a tensor subclass or another module)."""
+    linears = [m for m in model.modules() if "Linear" in type(m).__name__]
+    changed = [m for m in linears if type(m) is not torch.nn.Linear or type(m.weight) is not torch.nn.Parameter]
+    return f"{len(changed)} of {len(linears)}"
+
+
+def try_method(folder: Path, method: str, blocks: torch.Tensor) -> dict:
+    """One method on one saved model: {"loss", "linears", "generate", "seconds"}, or {"skipped": why} / {"error"}."""
+    if reason := missing_library(method):
+        return {"skipped": reason}
+    start = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=METHODS[method][2](),
+                                                     device_map="cpu", dtype=torch.float32).eval()
+        loss = held_out_loss(model, blocks)
+        tokens = model.generate(blocks[:1, :8], max_new_tokens=4, do_sample=False)
+    except Exception as error:  # a method that fails is a result: reported in one line, the others still run
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"}
+    return {"loss": loss, "linears": quantized_linears(model), "generate": tuple(tokens.shape) == (1, 12),
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def measure(folder: Path, blocks: torch.Tensor, methods: list[str]) -> dict:
+    """{"none": loss unquantized, method: `try_method`} for one saved model."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # saved in bf16 or fp32
+    return {"none": held_out_loss(model, blocks), **{m: try_method(folder, m, blocks) for m in methods}}
+
+
+def cell(result: dict, base: float) -> str:
+    if "skipped" in result:
+        return f"skipped: {result['skipped']}"
+    if "error" in result:
+        return f"fails: {result['error']}"
+    finite = math.isfinite(result["loss"])
+    return (f"{result['loss'] - base:+.4f} ({result['linears']} linears; generate "
+            f"{'runs' if result['generate'] else 'wrong shape'})" if finite else "loss not finite")
+
+
+def table(results: dict[str, dict], methods: list[str]) -> str:
+    """Markdown: one row per model, its loss unquantized, then each method's loss increase."""
+    lines = ["| model | loss | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for name, found in results.items():
+        lines.append(f"| {name} | {found['none']:.4f} | " + " | ".join(cell(found[m], found["none"]) for m in methods)
+                     + " |")
+    return "\n".join(lines)
+
+
+def mean_increase(results: dict[str, dict], methods: list[str]) -> str:
+    """Markdown: per family (the folder name's model, as paper_small names its runs) and method, the mean ± sd loss
+    increase over the saved models of that family."""
+    families = sorted({name.split("-")[1] for name in results}, key=lambda f: (f == "Transformer", f))
+    lines = ["| family | models | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for family in families:
+        runs = [found for name, found in results.items() if name.split("-")[1] == family]
+        cells = []
+        for method in methods:
+            values = [r[method]["loss"] - r["none"] for r in runs if "loss" in r[method]]
+            spread = statistics.stdev(values) if len(values) > 1 else 0.0
+            cells.append(f"{statistics.mean(values):+.4f} ± {spread:.4f}" if values else "-")
+        shown = "Llama" if family == "Transformer" else family
+        lines.append(f"| {shown} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def validation_blocks(folder: Path, data: Path, block: int, count: int) -> torch.Tensor:
+    """The held-out blocks of `data` as benchmarks/paper_small.py splits it (the last 10%), with the folder's own
+    tokenizer: the first `count` of them."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = text_file_dataset(data, tokenizer, block)
+    blocks = torch.stack([ids[i]["input_ids"] for i in range(len(ids))])
+    return blocks[int(0.9 * len(blocks)):][:count]
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="*", type=Path, help="saved models (from_pretrained folders with a tokenizer)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random DIFF V1, V2, hybrid and Llama instead")
+    parser.add_argument("--data", type=Path, help="the text the folders' models were trained on (held-out loss)")
+    parser.add_argument("--block", type=int, default=128, help="tokens per block (paper_small's --text-block)")
+    parser.add_argument("--blocks", type=int, default=32, help="held-out blocks scored")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--output", type=Path, help="also write the report (with the command and versions) here")
+    args = parser.parse_args(argv)
+    if args.tiny == bool(args.folders):
+        parser.error("give saved model folders (with --data) or --tiny, not both")
+    if args.folders and (args.data is None or not args.data.is_file()):
+        parser.error(f"--data: the text file the models were trained on is needed for held-out loss ({args.data})")
+    if missing := [f for f in args.folders if not (f / "config.json").is_file()]:
+        parser.error(f"not a saved model folder (no config.json): {missing[0]}")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            folders = save_tiny_models(Path(tmp))
+            ids = torch.randint(0, TINY["vocab_size"], (16, 64), generator=torch.Generator().manual_seed(0))
+            results = {name: measure(folder, ids, args.methods) for name, folder in folders.items()}
+            report = table(results, args.methods)
+        else:
+            results = {f.name.removesuffix(".model"): measure(f, validation_blocks(f, args.data, args.block,
+                                                                                   args.blocks), args.methods)
+                       for f in args.folders}
+            report = table(results, args.methods) + "\n\nMean ± sd over the saved models of each family:\n\n" + \
+                mean_increase(results, args.methods)
+    print(report)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(f"Generated by `{shlex.join(['python', 'benchmarks/quantization.py', *sys.argv[1:]])}`"
+                               f" ({versions()}; one thread, CPU).\n\n{report}\n")
+    return report
+
+
+def versions() -> str:
+    """The versions of the libraries the results depend on."""
+    found = []
+    for name in ("torch", "transformers", "torchao", "optimum-quanto"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
