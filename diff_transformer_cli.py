@@ -6,15 +6,18 @@ This module parses and checks the arguments without importing torch or transform
 answer at once; each command then runs the function `COMMANDS` names for it."""
 
 import argparse
+import difflib
 import hashlib
 import importlib
 import importlib.util
 import json
 import math
+import pickle
 import signal
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -77,6 +80,31 @@ class Parser(argparse.ArgumentParser):
                 if args[i] in self.verbatim_options:
                     args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
         return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, with unknown options answered by the command's own parser (its name, its --help), each with
+        the option it most likely means (`option_hint`)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(namespace, "command_parser", self)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.option_hint(extras)}")
+        return namespace
+
+    def option_hint(self, extras: list[str]) -> str:
+        """"; did you mean --learning-rate?" for the unknown options among `extras` that abbreviate one of this
+        parser's options by its words' initials (--lr) or misspell it (--learing-rate); "" when none does."""
+        options = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        initials = {"--" + "".join(word[0] for word in name[2:].split("-")): name for name in options}
+        hints = []
+        for extra in extras:
+            name = extra.partition("=")[0]
+            if name.startswith("--") and name not in options:
+                close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+                if guess := initials.get(name) or (close[0] if close else None):
+                    hints.append((guess, name))
+        if len(hints) == 1:
+            return f"; did you mean {hints[0][0]}?"
+        return f"; did you mean {', '.join(f'{guess} for {name}' for guess, name in hints)}?" if hints else ""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -620,6 +648,10 @@ def add_serve_parser(commands, common) -> Parser:
                         help="ranks each layer is sharded over (vLLM's; 1 or 2 verified, docs/serving.md)")
     parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
                         help="stages the layers are split into (vLLM's; 1 or 2 verified)")
+    parser.add_argument("--api-key-file", metavar="FILE",
+                        help="a file whose first line is the key clients must send (Authorization: Bearer KEY); "
+                             "passed to vLLM in its environment, never on a command line. VLLM_API_KEY in the "
+                             "environment works too")
     parser.add_argument("--vllm-args", default="", help="more vLLM server options, one string "
                                                         "(e.g. \"--seed 0 --enforce-eager\")")
     parser.verbatim_options = ("--vllm-args",)
@@ -658,11 +690,24 @@ def build_parser() -> Parser:
     return parser
 
 
+def refused_pickle(args: argparse.Namespace) -> str:
+    """The answer where torch.load (weights_only=True) refused a pickled weight file: which of the command's folders'
+    pickles it may be, and the fix that runs none of their code (torch's own message suggests weights_only=False)."""
+    folders = [value for value in vars(args).values() if isinstance(value, (str, Path)) and Path(value).is_dir()]
+    files = [str(Path(folder) / name) for folder in folders for name in saved_folder.pickled_files(folder)]
+    return (f"refused to load the pickled weights {', '.join(files) or 'of the model'}: they hold more than tensors "
+            "(torch.load with weights_only=True), and loading a pickle runs code its author chose; do not pass "
+            "weights_only=False: use the model's safetensors weights, or convert it to safetensors with a tool you "
+            "trust")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     command = args.command_parser
     if hasattr(args, "check"):
         args.check(args, command)
+    # torch's weights-only unpickler warns of the protocol of a pickle it then refuses (one line says why)
+    warnings.filterwarnings("ignore", message="Detected pickle protocol")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
@@ -672,6 +717,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         code = getattr(stop, "exit_code", 128 + signal.SIGINT)
         command.exit(code, f"{command.prog}: {str(stop) or 'interrupted'}\n")
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met more than tensors: refused, and said so
+        if args.debug:
+            raise
+        command.exit(2, f"{command.prog}: error: {refused_pickle(args)} (--debug shows the traceback)\n")
     except (ValueError, OSError) as error:  # the libraries' answers to a user's mistake name the fix
         if args.debug:
             raise

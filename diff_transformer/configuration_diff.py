@@ -5,13 +5,16 @@ import dataclasses
 import difflib
 import logging
 import math
+import re
 import types
 import typing
 
+import torch
 from huggingface_hub.dataclasses import type_validator
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationConfig
+from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from .saved_folder import MODEL_TYPE, check_local_path, check_model_type
@@ -26,6 +29,13 @@ LOADING_SAVED = "_loading_saved"
 SAVED_DEFAULTS = {"embedding_multiplier": 1.0}
 # keyword arguments PreTrainedConfig itself consumes, which may look like one of our fields
 BASE_KWARGS = {"output_attentions", "attn_implementation", "experts_implementation", "name_or_path", "torch_dtype"}
+# The keys transformers itself writes into a config.json: those of a default `PreTrainedConfig` and `LlamaConfig`
+# (transformers_version, architectures, dtype, model_type, ...). Others it may write (auto_map, torch_dtype,
+# rope_scaling, quantization_config) resemble no DiffConfig field, so the typo check passes them anyway.
+WRITTEN_FIELDS = frozenset({*PreTrainedConfig().to_dict(), *LlamaConfig().to_dict()})
+# A norm's epsilon under another model's name (`layer_norm_eps`, `norm_epsilon`, ...): close to `rms_norm_eps` by
+# spelling, but what other models' configs (and transformers' own tests, which set each such name) save, not a typo.
+EPSILON_NAME = re.compile(r"(^|_)(eps|epsilon)$")
 
 
 def rope_parameter_sets(config_dict: dict) -> list[tuple[str, dict]]:
@@ -81,6 +91,14 @@ def misspelled_fields(kwargs: dict, fields: list[str]) -> dict[str, list[str]]:
     ignored = BASE_KWARGS | set(GenerationConfig._get_default_generation_params())
     matches = {key: difflib.get_close_matches(key, fields, n=3, cutoff=0.6) for key in kwargs if key not in ignored}
     return {key: found for key, found in matches.items() if found and not key.startswith("_")}
+
+
+def misspelled_saved_fields(config_dict: dict, fields: list[str]) -> dict[str, list[str]]:
+    """`misspelled_fields` of a saved config.json: its keys transformers does not write itself (`WRITTEN_FIELDS`)
+    that closely match a field, except another model's name for a norm's epsilon (`EPSILON_NAME`)."""
+    extra = {key: value for key, value in config_dict.items() if key not in WRITTEN_FIELDS and key not in fields
+             and not EPSILON_NAME.search(key)}
+    return misspelled_fields(extra, fields)
 
 
 def has_type(value: object, annotation: object) -> bool:
@@ -254,6 +272,7 @@ class DiffConfig(PreTrainedConfig):
         if not saved:
             self.check_unknown(kwargs)
         self.check_types(saved)
+        self.check_dtype(kwargs.get("torch_dtype"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -302,8 +321,12 @@ class DiffConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "DiffConfig":
-        """transformers' `from_dict`, without the typo check on the saved keys (`LOADING_SAVED`); a config saved
-        before `embedding_multiplier` existed keeps the 1.0 it was trained with (`SAVED_DEFAULTS`)."""
+        """transformers' `from_dict`, with the saved keys' typo check (`misspelled_saved_fields`: a misspelt field
+        such as `"num_heads": 8` would be kept as an unused attribute) in place of the constructor's (`LOADING_SAVED`);
+        a config saved before `embedding_multiplier` existed keeps the 1.0 it was trained with (`SAVED_DEFAULTS`)."""
+        for key, matches in misspelled_saved_fields(config_dict, list(cls.own_fields())).items():
+            cls._check(False, f"unknown field {key!r} in config.json; did you mean {' or '.join(map(repr, matches))}? "
+                              "(transformers would keep it as an unused attribute); fix or remove it")
         return super().from_dict({**SAVED_DEFAULTS, **config_dict, LOADING_SAVED: True}, **kwargs)
 
     @classmethod
@@ -339,6 +362,15 @@ class DiffConfig(PreTrainedConfig):
                 f"{name} must be {expected}, got {value!r} ({type(value).__name__}); "
                 + ("fix it in config.json" if saved else f"pass {expected}"),
             )
+
+    def check_dtype(self, torch_dtype: object = None) -> None:
+        """Refuse a `dtype` (or older `torch_dtype`) string that names no torch dtype (`"fp16"`), which transformers
+        would answer with `module 'torch' has no attribute 'fp16'`."""
+        for dtype in (getattr(self, "dtype", None), torch_dtype):
+            if isinstance(dtype, str) and dtype != "auto":
+                self._check(isinstance(getattr(torch, dtype, None), torch.dtype),
+                            f"dtype {dtype!r} is no torch dtype; use 'float16', 'bfloat16' or 'float32' (or 'auto': "
+                            "the checkpoint's)")
 
     @staticmethod
     def _check(condition: bool, message: str) -> None:

@@ -5,6 +5,7 @@ write or read, with the Hub code too."""
 
 import copy
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
-from .saved_folder import check_local_path
+from .saved_folder import check_local_path, write_weights_manifest
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -41,6 +42,34 @@ def generation_defaults(generation: GenerationConfig, config: PreTrainedConfig) 
     if context is not None and generation.max_new_tokens is None and generation.max_length in (None, context):
         generation.max_length, generation.max_new_tokens = None, context // 2
     return generation
+
+
+def given_max_length(args: tuple, kwargs: dict) -> bool:
+    """Whether a `generate(*args, **kwargs)` call sets its own `max_length` and no `max_new_tokens` (lm-eval's
+    `generate_until` does: prompt + the task's tokens), as a keyword or in the `generation_config` it passes."""
+    generation = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    if kwargs.get("max_new_tokens") is not None:
+        return False
+    if kwargs.get("max_length") is not None:
+        return True
+    return generation is not None and generation.max_new_tokens is None and "max_length" in generation.to_diff_dict()
+
+
+@contextmanager
+def callers_length(model: PreTrainedModel, args: tuple, kwargs: dict) -> Iterator[None]:
+    """While `model.generate(*args, **kwargs)` runs: where the call sets its own `max_length` (`given_max_length`),
+    the model's generation config holds no `max_new_tokens` (the default a saved folder carries,
+    `generation_defaults`), which transformers would let override the caller's length; restored afterwards."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None or generation.max_new_tokens is None or not given_max_length(args, kwargs):
+        yield
+        return
+    model.generation_config = copy.deepcopy(generation)
+    model.generation_config.max_new_tokens = None
+    try:
+        yield
+    finally:
+        model.generation_config = generation
 
 
 def full_auto_map(model: PreTrainedModel) -> dict[str, str]:
@@ -90,9 +119,9 @@ class SavedFolderMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), and a
+        """transformers' loading; a missing local folder fails at once (not after a minute of Hub retries), a
         truncated or corrupt safetensors file is reported with its folder and the fix (safetensors' own message
-        names neither)."""
+        names neither), and a pickle torch refuses with the fix that runs none of its code."""
         if pretrained_model_name_or_path is not None:
             check_local_path(pretrained_model_name_or_path)
         try:
@@ -102,11 +131,20 @@ class SavedFolderMixin:
                 f"the safetensors weights in {pretrained_model_name_or_path} are truncated or corrupt ({error}); "
                 "download them again, or re-save the model with model.save_pretrained"
             ) from error
+        except pickle.UnpicklingError as error:  # torch's own message suggests weights_only=False
+            raise OSError(
+                f"refused to load the pickled weights in {pretrained_model_name_or_path}: they hold more than tensors, "
+                "and loading a pickle runs code its author chose; do not pass weights_only=False: use the model's "
+                "safetensors weights, or convert it to safetensors with a tool you trust"
+            ) from error
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' saving; the folder gets the defaults clients expect (`saved_folder_defaults`: cache on,
-        generation within the context) and weights as readable as its other files (`match_weight_file_modes`)."""
+        generation within the context), weights as readable as its other files (`match_weight_file_modes`) and
+        their checksums (`saved_folder.write_weights_manifest`, which the command line verifies when it loads)."""
         with saved_folder_defaults(self):
             result = super().save_pretrained(save_directory, *args, **kwargs)
-        match_weight_file_modes(save_directory)
+        if kwargs.get("is_main_process", True):
+            match_weight_file_modes(save_directory)
+            write_weights_manifest(save_directory)
         return result

@@ -54,7 +54,7 @@ from .configuration_diff import DiffConfig, unvalidated_copy
 from .decoder_layers import DecoderLayers
 from .diff_lambda import DiffLambda, frozen_lambdas
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size
-from .folder_defaults import SavedFolderMixin
+from .folder_defaults import SavedFolderMixin, callers_length
 from .input_checks import CACHE_KWARG, check_cache_argument, check_token_ids, embedding_rows
 from .kernel_common import upcast
 from .paged_cache import PAGED_EAGER, ContinuousBatchingMixin, PagedLayerCache, is_paged, paged_update
@@ -317,8 +317,9 @@ class DiffForCausalLM(ContinuousBatchingMixin, DiffPreTrainedModel, LlamaForCaus
         return [layer.num_key_value_heads // ranks for layer in layers], [layer.head_dim for layer in layers]
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`)."""
-        with frozen_lambdas(self):
+        """`GenerationMixin.generate`, with each layer's lambda computed once per call (`frozen_lambdas`), and a
+        caller's own `max_length` in force over the folder's default `max_new_tokens` (`callers_length`)."""
+        with frozen_lambdas(self), callers_length(self, args, kwargs):
             return super().generate(*args, **kwargs)
 
 

@@ -6,6 +6,7 @@ configuration (`configuration_diff.py`), the command line's argument checks, ser
 Standard library only: the command line loads it while parsing arguments, before torch or transformers, and a saved
 folder ships it beside `configuration_diff.py`, which imports it."""
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,9 @@ PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 MODEL_TYPE = "diff_transformer"  # DiffConfig.model_type
 CONVERTIBLE = "Llama, Mistral, Qwen2, DiffLlama and Motif-2 checkpoints"  # what `diff-transformer convert` reads
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the folders Trainer saves its checkpoints in, by step
+# The sha256 of each safetensors file, as the model classes' save_pretrained wrote it: two tensors of one shape
+# swapped, or a flipped bit, change no shape and may leave every value plausible; only a checksum tells.
+WEIGHTS_MANIFEST = "weights_sha256.json"
 
 
 class FolderError(ValueError):
@@ -50,7 +54,8 @@ def read_text_file(path: str | os.PathLike) -> str:
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "give a plain text file, or convert it first (e.g. iconv -t utf-8)"
+            f"give a plain text file, or convert it first, naming its encoding after -f (e.g. iconv -f LATIN1 -t "
+            f"UTF-8 {path} > {Path(path).stem}-utf8.txt)"
         ) from None
 
 
@@ -191,3 +196,40 @@ def check_folder(folder: str | os.PathLike, diff: bool = False, files: bool = Tr
     if files:
         check_files(folder)
     return config
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_weights_manifest(folder: str | os.PathLike) -> None:
+    """`WEIGHTS_MANIFEST` in `folder`: the sha256 of each of its *.safetensors files, written through a temporary
+    file and a rename (a manifest is whole or absent)."""
+    files = {path.name: file_sha256(path) for path in sorted(Path(folder).glob("*.safetensors"))}
+    temporary = Path(folder) / f".{WEIGHTS_MANIFEST}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps({"sha256": files}, indent=2, sort_keys=True) + "\n")
+    os.replace(temporary, Path(folder) / WEIGHTS_MANIFEST)
+
+
+def check_weights_manifest(folder: str | os.PathLike) -> None:
+    """`FolderError` naming each weight file of `folder` that is missing or whose sha256 differs from the one
+    `WEIGHTS_MANIFEST` recorded when it was saved; a folder without a manifest (saved by other code) passes."""
+    path = Path(folder) / WEIGHTS_MANIFEST
+    if not path.is_file():
+        return
+    try:
+        recorded = read_json(path).get("sha256", {})
+    except ValueError as error:
+        raise FolderError(f"{error}; delete it, or save the model again with save_pretrained") from None
+    missing = [name for name in recorded if not (Path(folder) / name).is_file()]
+    changed = [name for name in recorded if name not in missing and file_sha256(Path(folder) / name) != recorded[name]]
+    if missing or changed:
+        what = "; ".join([*(f"{name} is missing" for name in missing),
+                          *(f"{name} is not the file save_pretrained wrote (its sha256 differs)" for name in changed)])
+        raise FolderError(f"the weights in {folder} were damaged or replaced since they were saved ({what}, by "
+                          f"{WEIGHTS_MANIFEST}); copy or download the folder again, or, if you changed the weights on "
+                          "purpose, save the model with save_pretrained, which records them")

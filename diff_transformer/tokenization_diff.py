@@ -80,7 +80,8 @@ def train_on_files(tokenizer: Tokenizer, files: list[str], trainer: trainers.Tra
         if "UTF-8" not in str(error):
             raise
         binary = [f for f in files if not is_utf8(Path(f).read_bytes())]
-        raise ValueError(f"not UTF-8 text: {binary}; give plain text files (convert with iconv -t utf-8)") from error
+        raise ValueError(f"not UTF-8 text: {binary}; give plain text files (convert each, naming its encoding after "
+                         "-f: iconv -f LATIN1 -t UTF-8 FILE > FILE-utf8.txt)") from error
 
 
 def is_utf8(data: bytes) -> bool:

@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import saved_folders, tiny_config
 from helpers.cli import cli_process_env, run_cases, write_limit
-from helpers.folders import save_llama
+from helpers.folders import planted_pickle, save_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +84,11 @@ def answer(arguments: list[str], capsys) -> str:
 
 
 MISTAKES = {  # name: (arguments, a fragment of the one-line answer); {d} is the folders fixture
+    "lr-initials": (["train", "--lr", "0.01"], "train: error: unrecognized arguments: --lr 0.01; did you mean "
+                                              "--learning-rate? (see diff-transformer train --help)"),
+    "misspelt-option": (["generate", "{d}/diff", "--prompt", "x", "--max-new-tokns=3", "--smaple"],
+                        "unrecognized arguments: --max-new-tokns=3 --smaple; did you mean --max-new-tokens for "
+                        "--max-new-tokns, --sample for --smaple?"),
     "inf-learning-rate": (["train", "--learning-rate", "inf"], "--learning-rate: 'inf' must be a finite number > 0"),
     "nan-learning-rate": (["train", "--learning-rate", "nan"], "--learning-rate: 'nan' must be a finite number > 0"),
     "inf-minutes": (["train", "--minutes", "Infinity"], "--minutes: 'Infinity' must be a finite number > 0"),
@@ -332,6 +337,36 @@ def test_truncate_prompt_keeps_the_end_with_one_warning(folders, capsys):
     assert LONG_PROMPT.endswith(tail) and captured.out.split("generated: ", 1)[1].startswith(tail), captured.out
 
 
+def test_outliers_tokenize_long_text_without_a_warning(folders, tmp_path, monkeypatch):
+    """`outliers` tokenizes more filler text than the context and keeps --length tokens of it: no "Token indices
+    sequence length is longer than ... will result in indexing errors" on a correct run (before: printed). In a
+    fresh interpreter at transformers' default verbosity, as a user runs it."""
+    folder = tmp_path / "diff"
+    shutil.copytree(folders / "diff", folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": CONTEXT}))
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")
+    [(code, output)] = run_cases([["outliers", str(folder), "--length", str(CONTEXT)]], tmp_path)
+    assert code == 0 and "| diff | hidden_states |" in output, output
+    assert "indexing errors" not in output and "sequence length is longer" not in output, output
+
+
+def test_iconv_hint_converts_the_file(tmp_path):
+    """The non-UTF-8 hint is a command that works as written (before: `iconv -t utf-8`, which needs `-f`)."""
+    if shutil.which("iconv") is None:
+        pytest.skip("no iconv on this machine")
+    text = "Café, naïve, Zürich\n"
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    from diff_transformer.saved_folder import read_text_file
+
+    with pytest.raises(ValueError) as error:
+        read_text_file(tmp_path / "latin.txt")
+    command = re.search(r"\(e\.g\. (iconv .*)\)$", str(error.value))[1]
+    subprocess.run(command, shell=True, cwd=tmp_path, check=True, timeout=30, stdin=subprocess.DEVNULL)
+    converted = tmp_path / "latin-utf8.txt"
+    assert converted.read_text(encoding="utf-8") == text, converted.read_bytes()
+
+
 def test_matching_baseline_runs(folders, capsys):
     main(["outliers", str(folders / "diff"), "--baseline", str(folders / "same"), "--length", "64"])
     assert "| baseline | hidden_states |" in capsys.readouterr().out
@@ -363,8 +398,41 @@ def edited_weights(source: Path, folder: Path, edit) -> Path:
     return folder
 
 
+def edited_files(source: Path, folder: Path, edit) -> Path:
+    shutil.copytree(source, folder)
+    edit(folder)
+    return folder
+
+
+def pickled_llama(folder: Path) -> None:
+    """A Llama folder whose weights are a pickle that runs code (`planted_pickle`) when loaded."""
+    shutil.rmtree(folder)
+    save_llama(folder, KeyValueTask().tokenizer())
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(planted_pickle(folder.parent / "pwned"))
+
+
+def truncate_weights(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
 def set_nan(weights: dict) -> None:
     weights["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
+
+
+def flip_exponent_bit(weights: dict) -> None:
+    """A flipped high exponent bit in one weight: finite, some 1e37."""
+    weight = weights["model.layers.0.mlp.down_proj.weight"].view(-1)
+    weight[7:8].view(torch.int32).bitwise_xor_(1 << 30)
+    assert 1e30 < abs(weight[7].item()) < float("inf"), weight[7]
+
+
+def swap_tensors(weights: dict) -> None:
+    """Two tensors of one shape under each other's names: every shape and value plausible."""
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert weights[q].shape == weights[k].shape
+    weights[q], weights[k] = weights[k], weights[q]
 
 
 ROPE_HALF = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
@@ -373,8 +441,15 @@ BROKEN = {  # folder: how it is made from a trained one (config.json, or the wei
     "window": ("config", lambda c: c.update(sliding_window=32)),
     "partial": ("config", lambda c: c.update(rope_parameters=ROPE_HALF)),
     "odd": ("config", lambda c: c.update(head_dim=7)),
+    "misspelt": ("config", lambda c: c.update(num_heads=8)),
+    "huge": ("config", lambda c: c.update(num_hidden_layers=100_000, attention_types=None)),
     "typeless": ("config", lambda c: c.pop("model_type")),
     "nan": ("weights", set_nan),
+    "flipped": ("weights", flip_exponent_bit),
+    "truncated": ("files", truncate_weights),
+    "tokenizer-text": ("files", lambda folder: (folder / "tokenizer.json").write_text("{ not JSON")),
+    "pickled": ("files", pickled_llama),
+    "swapped": ("weights", swap_tensors),
     "shape": ("weights", lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})),
 }
 SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where nothing may be written); {d}: folder
@@ -389,6 +464,24 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                      "field must be a float or int >= 1, got -999", None),
     "nan-weight": (["generate", "{d}/nan", "--prompt", PROMPT],
                    "{d}/nan has non-finite weights (NaN or inf): model.layers.1.mlp.up_proj.weight (1 of ", None),
+    "truncated-weights": (["generate", "{d}/truncated", "--prompt", PROMPT],
+                          "{d}/truncated/model.safetensors is truncated or corrupt (Error while deserializing header: "
+                          "incomplete metadata, file not fully covered); copy or download the folder again", None),
+    "tokenizer-not-json": (["generate", "{d}/tokenizer-text", "--prompt", PROMPT],
+                           "{d}/tokenizer-text/tokenizer.json is not valid JSON: Expecting property name enclosed in "
+                           "double quotes at line 1 column 3; the file is damaged", None),
+    "pickled-weights": (["convert", "{d}/pickled", "{d}/runs/from-pickle"],
+                        "refused to load the pickled weights {d}/pickled/pytorch_model.bin: they hold more than "
+                        "tensors (torch.load with weights_only=True), and loading a pickle runs code its author chose; "
+                        "do not pass weights_only=False: use the model's safetensors weights, or convert it to "
+                        "safetensors with a tool you trust (--debug shows the traceback)", "pwned"),
+    "flipped-bit": (["generate", "{d}/flipped", "--prompt", PROMPT],
+                    "{d}/flipped has weights of absurd magnitude (above 1e+05; trained models stay below 1e3): "
+                    "model.layers.0.mlp.down_proj.weight (|w| up to ", None),
+    "swapped-tensors": (["generate", "{d}/swapped", "--prompt", PROMPT],
+                        "the weights in {d}/swapped were damaged or replaced since they were saved (model.safetensors "
+                        "is not the file save_pretrained wrote (its sha256 differs), by weights_sha256.json); copy or "
+                        "download the folder again", None),
     "sliding-window": (["generate", "{d}/window", "--prompt", PROMPT],
                        "sliding_window=32 (the model attends to the whole context) is not supported; remove it from "
                        "config.json", None),
@@ -396,6 +489,14 @@ SILENTLY_WRONG = {  # name: (arguments, a fragment of the one-line answer, where
                        "rope_parameters.partial_rotary_factor=0.5 (the model rotates every dimension of a head) is not "
                        "supported", None),
     "odd-head-dim": (["generate", "{d}/odd", "--prompt", PROMPT], "head_dim (7) must be even", None),
+    "huge-config": (["generate", "{d}/huge", "--prompt", PROMPT],
+                    "config.json of {d}/huge implies 4,728,002,432 parameters (num_hidden_layers=100000, "
+                    "hidden_size=64, intermediate_size=160, vocab_size=37, num_attention_heads=4), but its weight "
+                    "files hold 96,992: the fields do not describe these weights", None),
+    "misspelt-field": (["generate", "{d}/misspelt", "--prompt", PROMPT],
+                       "DiffConfig: unknown field 'num_heads' in config.json; did you mean 'num_noise_heads' or "
+                       "'num_key_value_heads' or 'num_attention_heads'? (transformers would keep it as an unused "
+                       "attribute); fix or remove it", None),
     "wrong-shape": (["generate", "{d}/shape", "--prompt", PROMPT],
                     "the weights in {d}/shape do not fit its config.json: model.layers.0.self_attn.q_proj.weight: "
                     "[32, 64] in model.safetensors, [64, 64] for config.json", None),
@@ -457,7 +558,7 @@ def silently_wrong(trained, tmp_path_factory) -> tuple[Path, dict[str, tuple[int
     root = tmp_path_factory.mktemp("broken")
     shutil.copytree(trained, root / "model")
     for name, (part, edit) in BROKEN.items():
-        (edited_config if part == "config" else edited_weights)(trained, root / name, edit)
+        {"config": edited_config, "weights": edited_weights, "files": edited_files}[part](trained, root / name, edit)
     (root / "empty.txt").write_text("")
     (root / "blank.txt").write_text(" \n\n")
     (root / "short.txt").write_text("k1 v2 k3 v4\n")

@@ -307,6 +307,48 @@ def test_bad_embedding_multiplier_refused(value):
         tiny_config(embedding_multiplier=value)
 
 
+def test_misspelt_field_in_a_saved_config_refused(tmp_path):
+    """`"num_heads": 8` written into a saved config.json was kept as an unused attribute (the model built with the
+    saved num_attention_heads): refused in one line naming the nearest fields, as the constructor refuses it. Keys
+    transformers writes and other models' norm epsilons still load."""
+    tiny_config().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_heads": 8}))
+    with pytest.raises(ValueError) as error:
+        DiffConfig.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert message.startswith("DiffConfig: unknown field 'num_heads' in config.json; did you mean ") and \
+        "'num_attention_heads'?" in message and "\n" not in message, message
+    assert message.endswith("(transformers would keep it as an unused attribute); fix or remove it."), message
+    extras = {"layer_norm_eps": 1.0, "norm_epsilon": 1.0, "torch_dtype": "float32", "rope_scaling": None,
+              "_name_or_path": "x", "base_model": "meta-llama/Llama-3.2-1B"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **extras}))
+    assert DiffConfig.from_pretrained(tmp_path).layer_norm_eps == 1.0
+
+
+def test_committed_folders_still_load():
+    """Every DIFF config.json committed in the repository (benchmark runs, fixtures) passes the saved-keys check."""
+    root = Path(__file__).resolve().parents[1]
+    found = [path for path in root.glob("**/config.json") if ".git" not in path.parts
+             and json.loads(path.read_text()).get("model_type") == "diff_transformer"]
+    assert found
+    for path in found:
+        DiffConfig.from_pretrained(path.parent)
+
+
+@pytest.mark.parametrize("keyword", ["dtype", "torch_dtype"])
+def test_dtype_names_a_torch_dtype(tmp_path, keyword):
+    """`dtype="fp16"` failed inside transformers with `module 'torch' has no attribute 'fp16'`: one line naming the
+    dtypes, in a config built in code and in `from_pretrained`'s keyword; a real name still works."""
+    message = r"^DiffConfig: dtype 'fp16' is no torch dtype; use 'float16', 'bfloat16' or 'float32'"
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**{keyword: "fp16"})
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        DiffConfig.from_pretrained(tmp_path, **{keyword: "fp16"})
+    assert str(tiny_config(**{keyword: "bfloat16"}).dtype) == "torch.bfloat16"
+
+
 def test_poly_norm_and_standard_layers_build_for_any_head_count():
     """The PolyNorm MLP and a hybrid stack's standard layers build Llama's modules from the DiffConfig's own sizes:
     a throwaway LlamaConfig (32 default heads, or h dv / d heads) refused hidden 48 ("not a multiple of the number

@@ -138,3 +138,23 @@ def test_older_paged_cache_is_refused():
     generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with pytest.raises(NotImplementedError, match="upgrade transformers"):
         build("V1-GQA", "sdpa").generate_batch(PROMPTS, generation_config=generation)
+
+
+def test_generate_batch_bounds_its_cache_from_its_prompts():
+    """Without num_blocks, `generate_batch` sizes the paged cache for its own requests (each its prompt plus
+    max_new_tokens, in pages) and gives the same tokens as with an explicit bound (before: transformers' default,
+    most of the free RAM, 12.4 GB for a 3M-parameter model)."""
+    model = build("V1-MHA", "sdpa")
+    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(page_size=PAGE, max_batch_tokens=64)
+    try:
+        results = model.generate_batch(PROMPTS, generation_config=generation, continuous_batching_config=batching,
+                                       persistent_manager=True)
+        resolved = model._cached_continuous_batching_manager.continuous_batching_config
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    pages = sum(-(-(len(prompt) + NEW_TOKENS) // PAGE) for prompt in PROMPTS)
+    expected = len(PROMPTS) * -(-(max(map(len, PROMPTS)) + NEW_TOKENS) // PAGE)  # every request as the longest
+    assert pages <= resolved.num_blocks <= expected + 2, (resolved.num_blocks, pages, expected)
+    assert [r.generated_tokens for r in results.values()] == [r.generated_tokens for r in
+                                                              generate_batch(model, PROMPTS)]

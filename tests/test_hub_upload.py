@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.cli import file_hashes
 from helpers.folders import save_tiny_folder
 from helpers.without_package import client_results, run_without_package
 
@@ -28,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 32
 
 
-def run_upload(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def run_upload(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     command = [sys.executable, "-m", "diff_transformer_cli", "upload", *args]
     return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
@@ -54,6 +55,7 @@ def prepared(tmp_path_factory):
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").unlink()
     torch.save({"output_dir": "runs/x"}, folder / "training_args.bin")  # as Trainer.save_model writes it
+    (folder / "notes.py").write_text("print('a script of the user, no model code')\n")
     result = run_upload(folder.name, "someone/diff-tiny", "--dry-run", cwd=folder.parent)  # relative, as in docs/
     assert result.returncode == 0, result.stdout + result.stderr
     return folder, result
@@ -187,10 +189,79 @@ def test_pickled_files_left_out(prepared, monkeypatch):
 
     monkeypatch.setattr(hub_upload, "HfApi", Hub)
     hub_upload.upload(folder, "someone/x", private=False, token="token")
-    patterns = calls[0]["ignore_patterns"]
+    uploaded = set(calls[0]["allow_patterns"])
     assert hub_upload.pickled_files(folder) == ["training_args.bin"]
-    assert [p for p in patterns if Path("training_args.bin").match(p)] and not [
-        p for p in patterns for name in ("model.safetensors", "config.json") if Path(name).match(p)], patterns
+    code = {source.name for source in hub_upload.code_files()}
+    expected = code | {"config.json", "generation_config.json", "README.md", "model.safetensors", "tokenizer.json",
+                       "tokenizer_config.json", "weights_sha256.json"}
+    assert expected <= uploaded and not uploaded & {"training_args.bin", "notes.py"}, uploaded
+    assert uploaded - expected <= {"special_tokens_map.json", "chat_template.jinja"}, uploaded - expected
+
+
+def test_other_python_files_left_out(prepared):
+    """A .py file of the user's that is not the package's model code is neither run nor uploaded (before: uploaded
+    beside the model code), and the dry run says so; the card names the code it asks readers to trust."""
+    folder, result = prepared
+    assert ("diff-transformer upload: note: not uploading notes.py: only the package's code, the weights, tokenizer, "
+            "configs and card are published") in result.stderr, result.stderr
+    assert "notes.py" not in hub_upload.published_files(folder)
+    card = (folder / "README.md").read_text()
+    assert "`modeling_diff.py`" in card and "notes.py" not in card, card
+
+
+# A planted module: imported, it writes the user's HF_TOKEN into the file {marker}.
+EVIL = """
+import os
+from pathlib import Path
+Path({marker!r}).write_text(str(os.environ.get("HF_TOKEN")))
+from transformers import PreTrainedTokenizerFast, PreTrainedModel
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+class EvilModel(PreTrainedModel):
+    pass
+"""
+PLANTED = {  # file: the auto_map entry added to it
+    "tokenizer_config.json": {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]},
+    "config.json": {"AutoModelForMaskedLM": "evil.EvilModel"},
+}
+
+
+@pytest.mark.parametrize("where", PLANTED)
+def test_folder_code_never_runs(tmp_path, where):
+    """An auto_map in the folder naming its own evil.py: refused in one line before any work, evil.py never imported
+    (the token never reaches the marker file), the folder unchanged. Before: the loadability check imported the
+    tokenizer's module in a child with the user's HF_TOKEN, and a config.json entry was uploaded with evil.py."""
+    folder = save_tiny_folder(tmp_path / "model")
+    marker = tmp_path / "stolen-token"
+    (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    settings = json.loads((folder / where).read_text())
+    settings["auto_map"] = {**settings.get("auto_map", {}), **PLANTED[where]}
+    (folder / where).write_text(json.dumps(settings))
+    before = file_hashes(folder)
+    result = run_upload(str(folder), "someone/x", "--dry-run", env={"HF_TOKEN": "hf_planted_secret"})
+    assert not marker.exists(), f"the folder's code ran and wrote {marker.read_text()!r}"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr[-3000:]
+    entry = next(iter(PLANTED[where].items()))
+    assert result.stderr.strip().splitlines() == [
+        f"diff-transformer upload: error: {folder} names code that is not the diff_transformer package's ({where}: "
+        f"auto_map {entry[0]}={entry[1]!r}); upload publishes only the package's model code and runs none from the "
+        "folder: remove those entries (a DIFF model and its tokenizer need none) (--debug shows the traceback)"
+    ], result.stderr
+    assert file_hashes(folder) == before, "the folder was changed"
+
+
+def test_check_runs_without_secrets(monkeypatch, tmp_path):
+    """The loadability check's interpreter inherits no variable that may hold a credential, runs offline, and finds no
+    token saved by `hf auth login` (its home and Hub cache are the scratch folder)."""
+    secrets = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "GITHUB_PAT_TOKEN",
+               "DB_PASSWORD")
+    for name in secrets:
+        monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    env = hub_upload.check_environment(str(tmp_path))
+    assert not set(secrets) & set(env), sorted(set(secrets) & set(env))
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == os.environ["PATH"]
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HOME"] == env["HF_HOME"] == str(tmp_path)
 
 
 def test_pickled_weights_refused(tmp_path):

@@ -295,3 +295,47 @@ def test_real_checkpoint_matches_the_publishers_code(tmp_path):
         expected, actual = publisher(ids).logits, model(ids).logits
     error = (actual - expected).abs().max().item()
     assert error < 1e-3 * expected.abs().max().item(), f"max error {error:.3g}"
+
+
+def outside_shard(folder: Path, how: str) -> str:
+    """A shard name pointing out of `folder` (where a copy of its first shard lies, so a reader would find it)."""
+    first = folder / "model-00001-of-00002.safetensors"
+    outside = folder.parent / "outside.safetensors"
+    outside.write_bytes(first.read_bytes())
+    if how == "link":
+        (folder / "linked.safetensors").symlink_to(outside)
+        return "linked.safetensors"
+    return "../outside.safetensors" if how == "dotdot" else str(outside)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "link"])
+def test_shards_outside_the_folder_refused(tmp_path, how):
+    """An index naming a shard outside its folder (`../`, an absolute path, a link out): refused in one line naming
+    the shard, before anything is read or written (before: the file was read and converted). The command line
+    answers so in a fresh interpreter with no stdin; the folders' files keep their sha256."""
+    import subprocess
+    import sys
+
+    from helpers.cli import file_hashes
+
+    fields = motif_fields()
+    source = write_motif_folder(tmp_path / "motif", fields, random_weights(fields))
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    name = outside_shard(source, how)
+    index["weight_map"] = {key: name if shard.startswith("model-00001") else shard
+                           for key, shard in index["weight_map"].items()}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MotifFormatError) as error:
+        import_motif(source)
+    expected = (f"{source}/model.safetensors.index.json names the shard {name!r}, which is not a file of {source}; "
+                "an index lists its own folder's files: fix its weight_map")
+    assert str(error.value) == expected
+    if how != "dotdot":
+        return
+    before = file_hashes(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "diff_transformer_cli", "convert", str(source),
+                             str(tmp_path / "out")], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=Path(__file__).parents[1])
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"diff-transformer convert: error: {expected} (--debug shows the traceback)"], result.stderr[-3000:]
+    assert file_hashes(tmp_path) == before and not (tmp_path / "out").exists()

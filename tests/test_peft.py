@@ -388,3 +388,31 @@ def test_method(method: str, arch: str, tmp_path, monkeypatch):
     assert type(merged) is type(base)
     merged_logits = logits_of(merged, batch, method)
     assert torch.allclose(merged_logits, logits, atol=MERGE_ATOL, rtol=0), max_mean(merged_logits, logits)
+
+
+def differential_trainables(stack: str, config: LoraConfig) -> set[str]:
+    """The trainable parameters of lambda, SubLN and V2's lambda projection once `config` wraps a tiny `stack`, by
+    name within a layer ("lambda_params.modules_to_save.default.q1", ...)."""
+    torch.manual_seed(0)
+    model = get_peft_model(DiffForCausalLM(tiny_config(**STACKS[stack])), config)
+    return {name.split("self_attn.", 1)[1] for name, p in model.named_parameters()
+            if p.requires_grad and ("lambda" in name or "subln" in name) and ".layers.0." in name}
+
+
+def test_what_lora_trains_of_the_differential_parameters():
+    """docs/ecosystem.md's table, measured: the defaults and "all-linear" leave V1's lambda and SubLN frozen (not
+    Linear layers), "all-linear" adapts V2's lambda projection (a Linear), modules_to_save=DIFF_TRAINABLE_MODULES
+    trains them all (README said the defaults did)."""
+    v1 = {f"lambda_params.modules_to_save.default.{name}" for name in ("q1", "k1", "q2", "k2")}
+    v1.add("subln.modules_to_save.default.weight")
+    assert differential_trainables("V1-GQA", LoraConfig(r=2)) == set()
+    assert differential_trainables("V1-GQA", LoraConfig(r=2, target_modules="all-linear")) == set()
+    assert differential_trainables("V1-GQA", LoraConfig(r=2, modules_to_save=DIFF_TRAINABLE_MODULES)) == v1
+    assert differential_trainables("V1-GQA", LoraConfig(r=2, target_modules="all-linear",
+                                                        modules_to_save=DIFF_TRAINABLE_MODULES)) == v1
+    assert differential_trainables("V2", LoraConfig(r=2)) == set()
+    assert differential_trainables("V2", LoraConfig(r=2, target_modules="all-linear")) == {
+        "lambda_proj.lora_A.default.weight", "lambda_proj.lora_B.default.weight"}
+    assert differential_trainables("V2", LoraConfig(r=2, target_modules="all-linear",
+                                                    modules_to_save=DIFF_TRAINABLE_MODULES)) == {
+        "lambda_proj.modules_to_save.default.weight"}

@@ -83,6 +83,8 @@ BLOCKS = {
     "trained folder this way (bash .ci/run vllm)",
     "diff-transformer serve FOLDER --tensor-parallel-size 2": SKIP + "needs vLLM's build and 2 cores or devices: "
     "tests/vllm_serving serves with 2 tensor- and 2 pipeline-parallel ranks (bash .ci/run vllm)",
+    "diff-transformer serve FOLDER --host 0.0.0.0 --api-key-file": SKIP + "needs vLLM and serves until stopped; "
+    "tests/vllm_serving/test_serving_checks.py checks the key reaches vLLM only through its environment",
     "diff-transformer attention-noise out/my-model": "slow",
     "--output docs/images/attention_noise": SKIP + "writes the committed example into docs/images; "
     "tests/test_plots.py runs this command's evaluation and checks it against the committed table",

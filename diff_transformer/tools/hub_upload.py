@@ -7,6 +7,11 @@ Writes a model card (README.md), makes sure `auto_map` and the model code are in
 generation_config.json that stops within the context), checks the client calls in a clean subprocess on a staged
 copy (the folder is changed only once the check passes), then uploads.
 The token comes from HF_TOKEN or `hf auth login`; it is never printed or written anywhere.
+
+No code from the folder ever runs: an `auto_map` (in any of its JSON files) naming anything but the package's own
+classes is refused before any work, the check runs on a copy holding only the files that are published (the
+package's code, written there from the package, the config, generation config, card, safetensors weights and
+tokenizer), in an environment without the user's secrets, and only those files are uploaded.
 """
 
 import json
@@ -24,6 +29,7 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .. import (
+    __version__,
     DiffConfig,
     DiffForCausalLM,
     DiffForQuestionAnswering,
@@ -32,7 +38,7 @@ from .. import (
     DiffModel,
 )
 from ..folder_defaults import generation_defaults
-from ..saved_folder import PICKLED, FolderError, check_folder, pickled_files, read_json
+from ..saved_folder import TOKENIZER_FILES, WEIGHTS_MANIFEST, FolderError, check_folder, pickled_files, read_json
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 AUTO_CLASSES = (
@@ -48,6 +54,12 @@ CONFIG_ROWS = (
     "num_key_value_heads", "head_dim", "diff_version", "lambda_init", "use_subln", "max_position_embeddings",
     "rope_parameters", "tie_word_embeddings", "dtype",
 )
+# What a published folder holds besides the package's code (`code_files`) and its *.safetensors weights.
+PUBLISHED = ("config.json", "generation_config.json", "README.md", "model.safetensors.index.json", *TOKENIZER_FILES,
+             "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+             "chat_template.jinja", "chat_template.json", WEIGHTS_MANIFEST)
+# Environment variables the loadability check's interpreter does not inherit: anything that may hold a credential.
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION", re.IGNORECASE)
 
 
 class UploadError(ValueError):
@@ -63,6 +75,64 @@ def check_inputs(model_dir: Path, repo_id: str) -> dict:
         raise UploadError(str(error)) from None
 
 
+def foreign_code(model_dir: Path, config: dict) -> list[str]:
+    """What in `model_dir` would make a client run code that is not the package's: each `auto_map` entry (of
+    config.json, tokenizer_config.json or any other JSON file of the folder) other than the package's own
+    (`auto_map`), and config.json's `custom_pipelines`; as "file: entry" strings."""
+    own = auto_map()
+    found = [f"config.json: auto_map {key}={value!r}" for key, value in config.get("auto_map", {}).items()
+             if own.get(key) != value]
+    found += [f"config.json: custom_pipelines {name!r}" for name in config.get("custom_pipelines", {})]
+    for path in sorted(model_dir.glob("*.json")):
+        if path.name != "config.json":
+            entries = json_auto_map(path)
+            found += [f"{path.name}: auto_map {key}={value!r}" for key, value in entries.items()]
+    return found
+
+
+def json_auto_map(path: Path) -> dict:
+    """The `auto_map` of a JSON file of settings; none for a file that is not a JSON object."""
+    try:
+        value = read_json(path)
+    except ValueError:
+        return {}
+    entries = value.get("auto_map") or {}
+    return entries if isinstance(entries, dict) else {"": entries}
+
+
+def check_no_foreign_code(model_dir: Path, config: dict) -> None:
+    """`UploadError` in one line where the folder names code that is not the package's (`foreign_code`): the check
+    would run it, and the Hub's users with trust_remote_code=True."""
+    found = foreign_code(model_dir, config)
+    if found:
+        raise UploadError(f"{model_dir} names code that is not the diff_transformer package's ({'; '.join(found)}); "
+                          "upload publishes only the package's model code and runs none from the folder: remove "
+                          "those entries (a DIFF model and its tokenizer need none)")
+
+
+def published_files(model_dir: Path) -> list[str]:
+    """The files of `model_dir` that are uploaded: the package's code, the weights (safetensors), the tokenizer, the
+    configs and the card; never another .py file or a pickle."""
+    code = {source.name for source in code_files()}
+    return sorted(entry.name for entry in model_dir.iterdir() if entry.is_file() and (
+        entry.name in code or entry.name in PUBLISHED or entry.suffix == ".safetensors"))
+
+
+def left_out(model_dir: Path) -> list[str]:
+    """Files of `model_dir` that are not uploaded (`published_files`), for the user to know."""
+    published = set(published_files(model_dir))
+    return sorted(entry.name for entry in model_dir.iterdir() if entry.is_file() and entry.name not in published)
+
+
+def check_environment(scratch: str) -> dict[str, str]:
+    """The loadability check's environment: this one without any variable whose name may hold a credential
+    (`SECRET_NAME`), offline, with its home, Hub cache and module cache in `scratch` (so no saved token either)."""
+    env = {name: value for name, value in os.environ.items() if not SECRET_NAME.search(name)}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=scratch, HF_HOME=scratch, HOME=scratch, PYTHONPATH="",
+               HF_TOKEN_PATH=str(Path(scratch) / "no-token"))
+    return env
+
+
 def auto_map() -> dict[str, str]:
     """`auto_map` entries of the classes `diff_transformer` registers with `register_for_auto_class`."""
     return {cls._auto_class: f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" for cls in AUTO_CLASSES}
@@ -76,10 +146,11 @@ def code_files() -> set[Path]:
 
 
 def stage(model_dir: Path, staged: Path, written: set[str]) -> None:
-    """Links to the folder's entries in `staged`, except the files this script writes (written there instead)."""
-    for entry in model_dir.iterdir():
-        if entry.name not in written:
-            (staged / entry.name).symlink_to(entry.resolve())
+    """Links in `staged` to the folder's files that are published (`published_files`), except the files this script
+    writes (written there instead)."""
+    for name in published_files(model_dir):
+        if name not in written:
+            (staged / name).symlink_to((model_dir / name).resolve())
 
 
 def install_remote_code(model_dir: Path, config: dict) -> None:
@@ -169,9 +240,12 @@ def evaluation_details(results: list[EvalResult]) -> str:
     return "\n".join(["| dataset | split | metric | value |", "| --- | --- | --- | --- |", *rows])
 
 
-def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> ModelCard:
+def model_card(model_dir: Path, repo_id: str, config: dict, license: str, records: Path | None = None) -> ModelCard:
+    """The card of the folder `model_dir`; what it says of training and evaluation comes from the records in
+    `records` (default: `model_dir`; they are not published themselves)."""
+    records = records or model_dir
     generation = GenerationConfig.from_pretrained(model_dir)
-    results = eval_results(model_dir)
+    results = eval_results(records)
     data = ModelCardData(
         model_name=repo_id.split("/")[-1] if results else None,
         eval_results=results or None,
@@ -194,8 +268,9 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
 
         ## How to use
 
-        Without installing anything but `transformers` (the model code ships in this repository; `AutoTokenizer`
-        reads `config.json`, so it takes the same flag, and loads transformers' standard fast tokenizer):
+        Without installing anything but `transformers` (the model code ships in this repository: the files of the
+        `diff_transformer` package {version}, {code}; `AutoTokenizer` reads `config.json`, so it takes the same flag,
+        and loads transformers' standard fast tokenizer):
 
         ```python
         from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -233,9 +308,9 @@ def model_card(model_dir: Path, repo_id: str, config: dict, license: str) -> Mod
         {evaluation}
         """)
     text = body.format(
-        name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(model_dir),
-        evaluation=evaluation_details(results),
-        max_new_tokens=generation.max_new_tokens,
+        name=repo_id.split("/")[-1], table=config_table(config), repo=repo_id, training=training_details(records),
+        evaluation=evaluation_details(results), max_new_tokens=generation.max_new_tokens, version=__version__,
+        code=", ".join(f"`{name}`" for name in sorted(source.name for source in code_files())),
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
@@ -257,9 +332,8 @@ def check_remote_loading(model_dir: Path, label: Path) -> str:
         print("REMOTE_OK", type(model).__module__, type(model).__name__)
     """)
     with tempfile.TemporaryDirectory() as scratch:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": scratch, "PYTHONPATH": ""}
-        result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=env, capture_output=True, text=True,
-                                stdin=subprocess.DEVNULL)
+        result = subprocess.run([sys.executable, "-c", script], cwd=scratch, env=check_environment(scratch),
+                                capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if "REMOTE_OK" not in result.stdout:
         raise UploadError(f"{label} would not load with trust_remote_code=True (left unchanged):\n"
                           f"{result.stderr[-3000:]}")
@@ -277,7 +351,7 @@ def upload(model_dir: Path, repo_id: str, private: bool, token: str) -> str:
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, commit_message="Upload DIFF Transformer",
-                               ignore_patterns=list(PICKLED))
+                               allow_patterns=published_files(model_dir))
     return commit.commit_url
 
 
@@ -291,7 +365,7 @@ def prepare(model_dir: Path, repo_id: str, config: dict, license: str) -> str:
             shutil.copyfile(model_dir / "generation_config.json", staged / "generation_config.json")
         install_remote_code(staged, config)
         install_generation_config(staged)
-        model_card(staged, repo_id, config, license).save(staged / "README.md")
+        model_card(staged, repo_id, config, license, records=model_dir).save(staged / "README.md")
         checked = check_remote_loading(staged, model_dir)
         for name in written:
             shutil.copyfile(staged / name, model_dir / name)
@@ -300,14 +374,18 @@ def prepare(model_dir: Path, repo_id: str, config: dict, license: str) -> str:
 
 def publish(model_dir: Path, repo_id: str, dry_run: bool, private: bool, license: str) -> None:
     config = check_inputs(model_dir, repo_id)
+    check_no_foreign_code(model_dir, config)
     token = None if dry_run else require_token()
     model_dir = model_dir.resolve()  # the check runs in another working directory
     checked = prepare(model_dir, repo_id, config, license)
     print(f"wrote {model_dir / 'README.md'} and the model code; {checked}")
-    left_out = pickled_files(model_dir)
-    if left_out:
-        print(f"diff-transformer upload: warning: not uploading {', '.join(left_out)}: pickled files run code when "
+    pickled = pickled_files(model_dir)
+    if pickled:
+        print(f"diff-transformer upload: warning: not uploading {', '.join(pickled)}: pickled files run code when "
               "loaded, and the model needs none of them (its weights are safetensors)", file=sys.stderr)
+    if others := [name for name in left_out(model_dir) if name not in pickled]:
+        print(f"diff-transformer upload: note: not uploading {', '.join(others)}: only the package's code, the "
+              "weights, tokenizer, configs and card are published", file=sys.stderr)
     if dry_run:
         print(f"dry run: not uploading to {repo_id}")
         return

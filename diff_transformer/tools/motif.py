@@ -26,7 +26,6 @@ do not read might still change the forward; `ignore_fields` acknowledges ones th
 These are tools, not Hub code: `modeling_diff.py` does not import this module.
 """
 
-import json
 import warnings
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from transformers import GenerationConfig
 
 from ..configuration_diff import POLY_NORM, DiffConfig
 from ..modeling_diff import DiffForCausalLM
-from ..saved_folder import read_config
+from ..saved_folder import read_config, read_json
 from .target import copy_tokenizer, load_target
 from .unilm import sub_head_rows
 
@@ -200,12 +199,23 @@ def key_rows(kv_groups: int, d: int) -> torch.Tensor:
     return sub_head_rows(torch.cat([pairs, pairs + 1]), d)
 
 
+def shard_name(folder: Path, name: object) -> str:
+    """A shard the index of `folder` names, once it is a file of `folder` itself: `MotifFormatError` for an absolute
+    path, a `..`, or a name that resolves (through a link) outside the folder, which the converter would read."""
+    path = Path(name) if isinstance(name, str) else None
+    if path is None or path.is_absolute() or ".." in path.parts or not (
+            (folder / path).resolve().is_relative_to(folder.resolve())):
+        raise MotifFormatError(f"{folder}/model.safetensors.index.json names the shard {name!r}, which is not a file "
+                               f"of {folder}; an index lists its own folder's files: fix its weight_map")
+    return str(path)
+
+
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors: model.safetensors, or the shards its index lists."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted({shard_name(folder, name) for name in read_json(index).get("weight_map", {}).values()})
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:

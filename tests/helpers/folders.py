@@ -33,3 +33,20 @@ def save_llama(path: Path, tokenizer) -> Path:
                                  num_attention_heads=2, max_position_embeddings=512)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+class PlantedPickle:
+    """Unpickled, writes the file `marker`: a pickle that runs code, as a hostile pytorch_model.bin does."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+def planted_pickle(marker: Path) -> bytes:
+    """Weights pickled with a `PlantedPickle` among them."""
+    import pickle
+
+    return pickle.dumps({"weight": PlantedPickle(marker)})

@@ -261,3 +261,44 @@ def test_poly_norm_serves_on_two_ranks():
                         hidden_act="poly_norm", lambda_init_offset=-1)
     assert layout.check_servable(config, tensor_parallel_size=2) == layout.check_servable(config)
     assert layout.check_servable(config) == {"differential": 32, "standard": 32}
+
+
+KEY = "sk-planted-4f1c"  # a key no other text of the command contains
+
+
+@pytest.mark.parametrize("given", ["vllm-args", "vllm-args=", "file", "environment"])
+def test_api_key_only_in_the_servers_environment(folder, tmp_path, given):
+    """However the key is given, vLLM gets it as VLLM_API_KEY in its environment: the command `serve` prints and
+    execs (what `ps` shows once vLLM runs) holds no key (before: `--vllm-args "--api-key K"` was printed and stayed
+    in vLLM's argv), and the other vLLM options are kept."""
+    (tmp_path / "key").write_text(f"{KEY}\n")
+    options = {"vllm-args": ["--vllm-args", f"--seed 0 --api-key {KEY} --enforce-eager"],
+               "vllm-args=": ["--vllm-args", f"--api-key={KEY} --seed 0 --enforce-eager"],
+               "file": ["--api-key-file", str(tmp_path / "key"), "--vllm-args", "--seed 0 --enforce-eager"],
+               "environment": ["--vllm-args", "--seed 0 --enforce-eager"]}[given]
+    environ = {"PATH": "/usr/bin", **({"VLLM_API_KEY": KEY} if given == "environment" else {})}
+    command, env = server.launch(serve_args(folder, *options), "float32", None, environ, cpu=True)
+    assert env["VLLM_API_KEY"] == KEY and env["VLLM_CPU_KVCACHE_SPACE"] == "1", env
+    assert not [arg for arg in command if KEY in arg or "api-key" in arg], command
+    assert command[-3:] == ["--seed", "0", "--enforce-eager"], command
+
+
+def test_api_key_mistakes_and_exposure(folder, tmp_path):
+    """A key given twice or an empty key file: one line, before vLLM is imported. A --host other than loopback
+    without a key warns that anyone on the network can use the server; with one, that it needs TLS; the default
+    bind (127.0.0.1) says nothing."""
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "key").write_text(KEY)
+    with pytest.raises(ValueError, match=r"^an API key in both --api-key-file and --vllm-args; give it once"):
+        server.api_key(serve_args(folder, "--api-key-file", str(tmp_path / "key"), f"--vllm-args=--api-key {KEY}"),
+                       {})
+    with pytest.raises(ValueError, match=rf"^--api-key-file {tmp_path / 'empty'} is empty; write the key"):
+        server.api_key(serve_args(folder, "--api-key-file", str(tmp_path / "empty")), {})
+    with pytest.raises(ValueError, match=r"--api-key-file .*/nope: cannot read it \(No such file or directory\)"):
+        server.api_key(serve_args(folder, "--api-key-file", str(tmp_path / "nope")), {})
+    assert server.exposure_note(serve_args(folder), {}) is None
+    assert server.exposure_note(serve_args(folder, "--host", "0.0.0.0"), {}).startswith(
+        "warning: --host 0.0.0.0 exposes the server to the network without an API key")
+    exposed = server.exposure_note(serve_args(folder, "--host", "0.0.0.0"), {"VLLM_API_KEY": KEY})
+    assert exposed.startswith("note: --host 0.0.0.0: clients must send the API key (from VLLM_API_KEY)")
+    assert KEY not in exposed
