@@ -140,6 +140,7 @@ def test_older_paged_cache_is_refused():
         build("V1-GQA", "sdpa").generate_batch(PROMPTS, generation_config=generation)
 
 
+@needs_batching
 def test_generate_batch_bounds_its_cache_from_its_prompts():
     """Without num_blocks, `generate_batch` sizes the paged cache for its own requests (each its prompt plus
     max_new_tokens, in pages) and gives the same tokens as with an explicit bound (before: transformers' default,
