@@ -26,7 +26,8 @@ from transformers.utils import is_torchdynamo_compiling
 
 from .configuration_diff import DiffConfig
 from .diff_lambda import DiffLambda
-from .kernel_common import autocast_off, drop_unfilled_keys, expand_noise, masked_scores, split_branches, upcast
+from .kernel_common import (autocast_off, drop_unfilled_keys, expand_noise, masked_scores, per_head, split_branches,
+                            upcast)
 from .kernel_tiled import tiled_diff_attention, tiled_is_faster
 from .paged_cache import PAGED_EAGER
 
@@ -66,7 +67,7 @@ def eager_diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs
     k2 = repeat_kv(k2, q2.shape[1] // k.shape[1])  # [B, g, S, d]: one per noise head
     a1 = torch.softmax(masked_scores(q1, k1, attention_mask, scaling), dim=-1)  # [B, h, T, S]
     a2 = torch.softmax(masked_scores(q2, k2, attention_mask, scaling), dim=-1)  # [B, g, T, S]: once per group
-    a2 = a2.repeat_interleave(group, dim=1)  # [B, h, T, S]: the group's map in each of its heads
+    a2 = per_head(a2, group, dim=1)  # [B, h, T, S]: the group's map in each of its heads
     if not is_torchdynamo_compiling() and (branch_maps := BRANCH_MAPS.get()) is not None:  # get() is untraceable
         branch_maps.append((a1.detach(), a2.detach(), lam.detach()))
     diff_map = torch.addcmul(a1, a2, lam, value=-1)  # A1 - lambda A2
@@ -113,7 +114,7 @@ def standard_attention_calls(module, q, k, v, lam, attention_mask, scaling, **kw
     for calls, caller in zip(branch_calls(q, k, v, group), callers):
         parts = [attend(caller, *call, attention_mask, dropout=0.0, scaling=scaling, **kwargs)[0] for call in calls]
         branch_outputs.append((parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float())  # [B, T, h|g, dv]
-    return branch_outputs[0] - lam * branch_outputs[1].repeat_interleave(group, dim=2), None
+    return branch_outputs[0] - lam * per_head(branch_outputs[1], group, dim=2), None
 
 
 def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):

@@ -38,6 +38,12 @@ def split_branches(q: torch.Tensor, k: torch.Tensor, group: int = 1) -> tuple[to
     return q[:, :h], q[:, h:], k[..., :d], k[..., d:]
 
 
+def per_head(noise: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """A noise branch's tensor (one entry per noise head along `dim`) repeated for the `group` differential heads
+    each serves; itself, with no copy, where every head has its own noise head (`group` 1, plain DIFF)."""
+    return noise if group == 1 else noise.repeat_interleave(group, dim=dim)
+
+
 def expand_noise(q: torch.Tensor, group: int) -> torch.Tensor:
     """Grouped queries [B, h + h / group, T, d] -> [B, 2h, T, d], each noise head's query repeated for the `group`
     differential heads it serves, for kernels that take one noise query per head. Exact: differential head j and
@@ -45,7 +51,7 @@ def expand_noise(q: torch.Tensor, group: int) -> torch.Tensor:
     if group == 1:
         return q
     q1, q2, _, _ = split_branches(q, q, group)
-    return torch.cat([q1, q2.repeat_interleave(group, dim=1)], dim=1)
+    return torch.cat([q1, per_head(q2, group, dim=1)], dim=1)
 
 
 def drop_unfilled_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
