@@ -22,12 +22,13 @@ DIFF_COLWISE = "diff_colwise"
 DIFF_REPLICATED = "diff_replicated"
 
 
-def branch_halves_rank_major(rows: torch.Tensor, ranks: int) -> torch.Tensor:
-    """A `BRANCH_HALVES` weight or bias, rows [branch 1 | branch 2], reordered rank-major: block r of `ranks` equal
-    blocks holds rank r's slice of branch 1's rows, then the same slice of branch 2's, the rows `diff_colwise` gives
-    rank r. One rank: unchanged."""
-    per_rank = rows.view(2, ranks, rows.shape[0] // (2 * ranks), *rows.shape[1:])  # [branch, rank, rows, ...]
-    return per_rank.transpose(0, 1).reshape(rows.shape)
+def branch_halves_rank_major(rows: torch.Tensor, ranks: int, first: int | None = None) -> torch.Tensor:
+    """A `BRANCH_HALVES` weight or bias, rows [branch 1 | branch 2], reordered rank-major: block r holds rank r's
+    slice of branch 1's rows, then its slice of branch 2's, the rows `diff_colwise` gives rank r. `first`: branch 1's
+    row count when the branches differ in size (grouped noise heads); default half. One rank: unchanged."""
+    first = rows.shape[0] // 2 if first is None else first
+    branches = [part.chunk(ranks) for part in rows.split([first, rows.shape[0] - first])]  # [branch][rank]
+    return torch.cat([branches[b][r] for r in range(ranks) for b in (0, 1)])
 
 
 def check_tp_size(config, tp_size: int) -> None:

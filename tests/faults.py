@@ -173,15 +173,21 @@ FAULTS = [
     Fault("GDA converter: noise rows of the wrong group", MOTIF,
           "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
     Fault("vLLM TP: a differential pair split across ranks", VLLM_MODEL,
-          "            return branch_halves_rank_major(rows, self.ranks)\n        if projection == \"k_proj\"",
-          "            return rows\n        if projection == \"k_proj\"", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
+          "            return branch_halves_rank_major(rows, self.ranks, self.signal_rows)\n        if projection == \"k",
+          "            return rows\n        if projection == \"k", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
+    Fault("vLLM TP: grouped noise heads' queries cut in equal halves", VLLM_MODEL,
+          "branch_halves_rank_major(rows, self.ranks, self.signal_rows)", "branch_halves_rank_major(rows, self.ranks)",
+          [f"{VLLM_TP}[motif_gda-tp2]"], "vllm"),
+    Fault("vLLM GDA: noise map of the wrong group", VLLM_MODEL,
+          "noise.repeat_interleave(self.group, dim=2)", "noise.repeat(1, 1, self.group, 1)",
+          ["tests/vllm_serving/test_vllm_serving.py::test_offline_generate_matches_transformers[v1_gda]"], "vllm"),
     Fault("vLLM TP: lambda from one rank's slice", VLLM_MODEL,
           "self.lam = compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init)",
           "self.lam = compute_lambda(*(x[: self.d // self.ranks] for x in (p.q1, p.k1, p.q2, p.k2)), "
           "self.lambda_init)", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
     Fault("vLLM TP: PolyNorm without the all-reduce", VLLM_MODEL,
           "squares = tensor_model_parallel_all_reduce(u.pow(2).sum(-1, keepdim=True))",
-          "squares = 2 * u.pow(2).sum(-1, keepdim=True)", [f"{VLLM_TP}[motif-tp2]"], "vllm"),
+          "squares = 2 * u.pow(2).sum(-1, keepdim=True)", [f"{VLLM_TP}[motif_gda-tp2]"], "vllm"),
 ]
 
 

@@ -106,6 +106,18 @@ def test_rank_major_order_gives_each_block_the_rows_of_diff_colwise(ranks: int):
         assert torch.equal(torch.cat(blocks)[:, 0] // 3, torch.cat([rows(r, half, half) for r in range(TP)]))
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_rank_major_order_of_grouped_noise_heads(ranks: int):
+    """Grouped noise heads: branch 1 has 4 rows per branch-2 row; block r holds branch 1's r-th slice, then branch 2's
+    r-th slice (the noise heads of rank r's differential heads), as the vLLM loader cuts q_proj."""
+    signal, noise = 8 * ranks, 2 * ranks
+    weight = torch.arange((signal + noise) * 3).view(signal + noise, 3)
+    blocks = branch_halves_rank_major(weight, ranks, signal).chunk(ranks)
+    for rank, block in enumerate(blocks):
+        expected = torch.cat([weight[rank * 8:(rank + 1) * 8], weight[signal + rank * 2:signal + (rank + 1) * 2]])
+        assert torch.equal(block, expected), f"rank {rank} of {ranks}: {block[:, 0].tolist()}"
+
+
 def close(actual, expected, atol: float, rtol: float, what: str) -> None:
     actual, expected = torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
     diff = (actual - expected).abs()

@@ -155,10 +155,6 @@ def check_servable(config, tensor_parallel_size: int = 1, pipeline_parallel_size
                      "this config")
     check_fields(config.to_dict())
     check_parallelism(config, tensor_parallel_size, pipeline_parallel_size)
-    if getattr(config, "num_noise_heads", None) not in (None, config.num_attention_heads):
-        raise ValueError(f"num_noise_heads={config.num_noise_heads}: the DIFF vLLM model does not compute grouped "
-                         "noise heads (GDA) yet; serve with transformers, or convert the source again with "
-                         "--expand-noise-heads (plain DIFF)")
     if config.hidden_act not in ("silu", "poly_norm"):
         raise ValueError(f"hidden_act={config.hidden_act!r}: the DIFF vLLM model computes silu and poly_norm MLPs "
                          "only")

@@ -3,9 +3,10 @@ vLLM model, loaded by vLLM through the `vllm.general_plugins` entry point (`diff
 
 Every attention layer is ONE call of vLLM's paged `Attention` (docs/serving.md, "How the mapping works"):
 
-    V1 differential   2h query heads [q1, 0] and [0, q2], grouped per kv head, over h_kv kv heads holding
-                      (k1 | k2) and v; width 2d (or dv, or the CPU kernel's next size, zero-padded); scale d^-0.5.
-                      head_j = A1 V - lambda A2 V, then (1 - lambda_init) SubLN(head_j).
+    V1 differential   h + g query heads, h [q1, 0] and g [0, q2] (g noise heads: h, or fewer with grouped noise
+                      heads), grouped per kv head, over h_kv kv heads holding (k1 | k2) and v; width 2d (or dv,
+                      or the CPU kernel's next size, zero-padded); scale d^-0.5.
+                      head_j = A1 V - lambda A2 V (A2 of head j's noise head), then (1 - lambda_init) SubLN(head_j).
     V2 differential   2h query heads of width d over h_kv kv heads;
                       head_j = attn_2j - sigmoid(lambda_proj x)_j attn_2j+1.
     standard          Llama attention with h dv / d heads of width d (padded to the V1 layers' page size).
@@ -107,14 +108,17 @@ class DiffAttentionBase(nn.Module):
 
 
 class DiffV1Attention(DiffAttentionBase):
-    """Differential attention (paper §2.1): both branches in one call over 2h padded query heads."""
+    """Differential attention (paper §2.1): both branches in one call over h + g padded query heads; with grouped
+    noise heads (g < h) each noise map is computed once and subtracted in every head of its group."""
 
     def __init__(self, config, prefix: str, cache_config, quant_config, width: int):
         h, h_kv, d, dv = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.value_head_dim
-        shapes = {"q_heads": 2 * h, "o_cols": h * dv, "attn_heads": 2 * h, "kv_heads": h_kv}
-        sizes = [2 * h * d, 2 * h_kv * d, h_kv * dv]  # q, k, v rows
+        g = config.num_noise_heads
+        shapes = {"q_heads": h + g, "o_cols": h * dv, "attn_heads": h + g, "kv_heads": h_kv}
+        sizes = [(h + g) * d, 2 * h_kv * d, h_kv * dv]  # q, k, v rows
         super().__init__(config, prefix, cache_config, quant_config, shapes, width, sizes)
-        self.dv, self.n_rep = dv, h // h_kv
+        self.dv, self.n_rep, self.noise_rep = dv, h // h_kv, g // h_kv  # signal / noise query heads per kv head
+        self.group, self.signal_rows = h // g, h * d  # differential heads per noise head; q1's rows
         self.lambda_init = config.layer_lambda_init(self.layer_idx)
         self.lambda_params = ParamVector(d, ("q1", "k1", "q2", "k2"))
         self.use_subln, self.eps = config.use_subln, config.subln_eps
@@ -125,7 +129,7 @@ class DiffV1Attention(DiffAttentionBase):
 
     def shard_rows(self, projection: str, rows: torch.Tensor) -> torch.Tensor:
         if projection == "q_proj":
-            return branch_halves_rank_major(rows, self.ranks)
+            return branch_halves_rank_major(rows, self.ranks, self.signal_rows)
         if projection == "k_proj":
             return packed_keys(branch_halves_rank_major(rows, self.ranks), self.kv_heads, self.d)
         return rows
@@ -138,23 +142,25 @@ class DiffV1Attention(DiffAttentionBase):
             self.subln_gain = self.subln.weight.detach().float() * self.output_scale
 
     def padded_query(self, q: torch.Tensor) -> torch.Tensor:
-        """q [T, 2h d] in halves order -> [T, h_kv * 2 n_rep * W]: the rows [q1, 0] and [0, q2] ordered (kv head,
-        branch, n_rep), zeros past 2d, written by one copy onto a diagonal view of the zeroed output."""
-        tokens, d = q.shape[0], self.d
-        padded = q.new_zeros(tokens, self.kv_heads, 2, self.n_rep, self.width)
-        pairs = padded[..., : 2 * d].unflatten(-1, (2, d))  # [T, h_kv, branch, n_rep, half, d]
-        # the (branch, half) diagonal: branch 1 fills the first half, branch 2 the second
-        source = q.view(tokens, 2, self.kv_heads, self.n_rep, d).permute(0, 2, 3, 4, 1)  # [T, h_kv, n_rep, d, branch]
-        torch.diagonal(pairs, dim1=2, dim2=4).copy_(source)
+        """q [T, (h + g) d] in branch order (q1 | q2) -> [T, h_kv * (n_rep + noise_rep) * W]: per kv head its n_rep
+        rows [q1, 0], then its noise_rep rows [0, q2], zeros past 2d."""
+        tokens, d, signal = q.shape[0], self.d, self.n_rep
+        padded = q.new_zeros(tokens, self.kv_heads, signal + self.noise_rep, self.width)
+        q1, q2 = q.split([self.kv_heads * signal * d, self.kv_heads * self.noise_rep * d], dim=-1)
+        padded[:, :, :signal, :d] = q1.view(tokens, self.kv_heads, signal, d)  # meets k1
+        padded[:, :, signal:, d : 2 * d] = q2.view(tokens, self.kv_heads, self.noise_rep, d)  # meets k2
         return padded.view(tokens, -1)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens, w = hidden_states.shape[0], self.width
         q, k, v = self.project(positions, hidden_states)  # k: [T, h_kv * 2d], packed (k1 | k2) by the loader
         out = self.attn(self.padded_query(q), pad_heads(k, self.kv_heads, 2 * self.d, w),
-                        pad_heads(v, self.kv_heads, self.dv, w))  # [T, 2h * W]
-        out = out.view(tokens, self.kv_heads, 2, self.n_rep, w)[..., : self.dv].float()  # [T, h_kv, b, r, dv]
-        heads = torch.sub(out[:, :, 0], out[:, :, 1], alpha=self.lam)  # A1 V - lambda A2 V: [T, h_kv, r, dv]
+                        pad_heads(v, self.kv_heads, self.dv, w))  # [T, (h + g) * W]
+        out = out.view(tokens, self.kv_heads, -1, w)[..., : self.dv].float()  # [T, h_kv, n_rep + noise_rep, dv]
+        signal, noise = out.split([self.n_rep, self.noise_rep], dim=2)  # A1 V: [T, h_kv, n_rep, dv]; A2 V
+        # noise head l of a kv head serves its signal heads l * group ... (l + 1) * group - 1
+        noise = noise.repeat_interleave(self.group, dim=2) if self.group > 1 else noise  # [T, h_kv, n_rep, dv]
+        heads = torch.sub(signal, noise, alpha=self.lam)  # A1 V - lambda A2 V: [T, h_kv, n_rep, dv]
         if self.use_subln:  # RMSNorm per head over dv, gain times (1 - lambda_init), in fp32: vLLM's one-op kernel
             normed = torch.empty_like(heads)
             ops.rms_norm(normed, heads, self.subln_gain, self.eps)

@@ -58,6 +58,8 @@ CASES = {
     "v1_saved_without_multiplier": {"num_attention_heads": 2, "embedding_multiplier": 1.0, "legacy": True},
     "v1_gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
     "v2_gqa": {"num_attention_heads": 4, "num_key_value_heads": 2, "diff_version": 2},
+    # grouped noise heads (GDA): 4 noise heads for 8 differential heads, two per kv head
+    "v1_gda": {"num_attention_heads": 8, "num_key_value_heads": 2, "num_noise_heads": 4},
     "hybrid": {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
                "attention_types": ["differential", "standard", "differential"]},
     "hybrid_dv_d_untied": {"num_attention_heads": 2, "value_head_dim": 32, "tie_word_embeddings": False,
@@ -192,9 +194,10 @@ def test_offline_generate_matches_transformers(case, tmp_path):
         shut_down(llm)
 
 
-def motif_folder(root: Path) -> Path:
+def motif_folder(root: Path, **layout) -> Path:
     """A Motif-2.6B-format folder (PolyNorm MLP with biases, GQA after the pairing, lambda_init offset -1, its own
-    SubLN epsilon, untied head) converted by `diff-transformer convert` into `root / "diff"`."""
+    SubLN epsilon, untied head), or with `layout` another head layout, converted by `diff-transformer convert`
+    into `root / "diff"`."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from helpers.motif_format import BASE, random_weights, write_motif_folder
 
@@ -203,7 +206,7 @@ def motif_folder(root: Path) -> Path:
     tok = tokenizer()
     fields = {**BASE, "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256, "use_bias": True,
-              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **layout}
     source = write_motif_folder(root / "motif", fields, random_weights(fields, seed=1))
     tok.save_pretrained(source)
     convert_motif(source, root / "diff")
@@ -315,8 +318,10 @@ def test_gpu_backend_table_is_vllms():
 
 # Tensor and pipeline parallelism over 2 ranks, one process per rank (vLLM's CPU build runs them with its mp
 # executor), one rank per core as `serve` binds them. One folder per layout: V1 MHA in a hybrid stack (standard
-# layers between differential ones), V2 GQA, and a converted Motif folder (V1 GQA, PolyNorm MLP whose norms span the
-# sharded MLP width, untied head); prompts to 171 tokens (6 blocks, 6 prefill chunks) and a 5-block cache hit.
+# layers between differential ones), V2 GQA, and a converted Motif-2-12.7B-format folder (grouped noise heads: 8
+# differential heads, 2 noise heads, 2 kv heads, so each rank holds one kv head, its 4 heads and their noise head;
+# PolyNorm MLP whose norms span the sharded MLP width, untied head); prompts to 171 tokens (6 blocks, 6 prefill
+# chunks) and a 5-block cache hit.
 LONGEST = [1] + torch.randint(3, len(WORDS), (170,), generator=torch.Generator().manual_seed(11)).tolist()
 LONGEST_SHARED = LONGEST[:160] + [5, 6, 7, 8, 9, 50]
 PARALLEL_CASES = {
@@ -325,13 +330,16 @@ PARALLEL_CASES = {
     "v2_gqa": CASES["v2_gqa"],
 }
 PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+# the publisher's fields: 10 query heads of which 2 noise, 4 key heads (2 kv heads after the pairing)
+MOTIF_GDA = {"num_attention_heads": 10, "num_key_value_heads": 4, "num_noise_heads": 2, "k_ratio": 1,
+             "head_dim": 16}
 
 
 @pytest.fixture(scope="module")
 def parallel_folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parallel")
     folders = {name: save_folder(root / name, seed=3, **fields) for name, fields in PARALLEL_CASES.items()}
-    return folders | {"motif": motif_folder(root)}
+    return folders | {"motif_gda": motif_folder(root, **MOTIF_GDA)}
 
 
 @pytest.fixture
@@ -347,11 +355,11 @@ def rank_per_core(monkeypatch):
     vllm.envs.disable_envs_cache()
 
 
-# each engine costs about a minute of CI's 2 cores (a process per rank, each importing vLLM; PP compiles): pipeline
-# parallelism runs on the hybrid stack only, whose layer kinds each stage must take by their global index (the
-# Motif folder's PP 2, its untied head on the last stage, gave transformers' tokens too, docs/serving.md)
-@pytest.mark.parametrize("case, parallel", [("hybrid_v1_mha", "tp2"), ("v2_gqa", "tp2"), ("motif", "tp2"),
-                                            ("hybrid_v1_mha", "pp2")])
+# each engine costs about a minute of CI's 2 cores (a process per rank, each importing vLLM; PP compiles); every
+# layout runs both: the hybrid stack's stages take their layer kinds by global index, the Motif folder's last stage
+# holds its untied head
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+@pytest.mark.parametrize("case", ["hybrid_v1_mha", "v2_gqa", "motif_gda"])
 def test_parallel_engine_matches_transformers(parallel_folders, rank_per_core, case, parallel):
     """Two ranks: transformers' greedy tokens and logprobs (fp32, within LOGPROB_TOL), chunked prefill and a
     prefix-cache hit, as one process gives them (check_case). Pipeline parallelism runs compiled: vLLM's CPU build
