@@ -9,7 +9,8 @@ The copy-expanded model has the GDA model's weights with each noise head's query
 (what `convert --expand-noise-heads` writes): the same outputs, more parameters, one noise softmax per head. Under
 `eager` a GDA layer computes each noise map once (h + g softmaxes a layer instead of 2h); under `sdpa` the noise
 branch makes one standard-attention call over the g noise heads (`standard_calls`; on CPU from 129 tokens with
-d >= 32 `sdpa` takes the tiled kernel instead, which repeats the noise queries at call time).
+d >= 32 `sdpa` takes the tiled kernel instead, which computes each noise map once in prefill and repeats the
+noise queries over their groups when it needs gradients).
 
     python benchmarks/bench_gda.py            # hidden 640, 2 layers, 16 heads of 32, 4 noise heads, seq 384
     python benchmarks/bench_gda.py --quick    # a smoke run
@@ -136,19 +137,26 @@ def attention_inputs(layer: torch.nn.Module, args: argparse.Namespace) -> list[t
             for heads, width in shapes]
 
 
-def attention_step(layer: torch.nn.Module, inputs: list[torch.Tensor]) -> float:
-    """CPU seconds of one causal attention call of `layer`'s kernel (its backend's) and its backward."""
-    start = time.process_time()
+def attention_call(layer: torch.nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """One causal attention call of `layer`'s kernel (its backend's)."""
     if isinstance(layer, LlamaAttention):
-        out = sdpa_attention_forward(layer, *inputs, None, scaling=layer.scaling)[0]
-    else:
-        out = diff_attention(layer, *inputs, torch.tensor(0.3), None, layer.scaling)[0]
-    out.sum().backward()
-    return time.process_time() - start
+        return sdpa_attention_forward(layer, *inputs, None, scaling=layer.scaling)[0]
+    return diff_attention(layer, *inputs, torch.tensor(0.3), None, layer.scaling)[0]
 
 
-def attention_times(built: dict[str, torch.nn.Module], args: argparse.Namespace) -> dict[str, float]:
-    """Median CPU seconds of the first layer's attention kernel, forward and backward, per model, interleaved."""
+def attention_step(layer: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[float, float]:
+    """CPU seconds of one attention call without gradients (prefill's), and of one with its backward."""
+    start = time.process_time()
+    with torch.no_grad():
+        attention_call(layer, inputs)
+    middle = time.process_time()
+    attention_call(layer, inputs).sum().backward()
+    return middle - start, time.process_time() - middle
+
+
+def attention_times(built: dict[str, torch.nn.Module], args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Median CPU seconds of the first layer's attention kernel per model, interleaved: (forward without
+    gradients, forward and backward)."""
     layers = {name: model.model.layers[0].self_attn for name, model in built.items()}
     inputs = {name: attention_inputs(layer, args) for name, layer in layers.items()}
     times = {name: [] for name in layers}
@@ -157,33 +165,37 @@ def attention_times(built: dict[str, torch.nn.Module], args: argparse.Namespace)
             elapsed = attention_step(layer, inputs[name])
             if round_index:
                 times[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: tuple(statistics.median(run[i] for run in runs) for i in range(2)) for name, runs in times.items()}
 
 
-def kernel_and_softmaxes(model: torch.nn.Module, args: argparse.Namespace) -> tuple[str, int]:
+def kernel_and_softmaxes(model: torch.nn.Module, args: argparse.Namespace) -> tuple[str, str]:
     """The attention kernel a layer runs at the benchmark's shapes and the softmax maps [T, S] it computes per
-    sequence: h + g where the kernel computes each noise map once (`GROUPED_KERNELS`), else 2h (Llama: its
-    heads)."""
+    sequence, in prefill and in a training step: h + g where the kernel computes each noise map once
+    (`GROUPED_KERNELS`; the tiled kernel without gradients only), else 2h (Llama: its heads)."""
     config = model.config
     if not isinstance(model, DiffForCausalLM):
-        return "sdpa", config.num_attention_heads
+        return "sdpa", str(config.num_attention_heads)
     layer = model.model.layers[0].self_attn
     name = select_kernel(config._attn_implementation, *attention_inputs(layer, args))
-    heads = config.num_attention_heads
-    return name, heads + (config.num_noise_heads if name in GROUPED_KERNELS else heads)
+    heads, noise = config.num_attention_heads, config.num_noise_heads
+    prefill, train = (heads + (noise if grouped else heads) for grouped in (name in GROUPED_KERNELS,
+                                                                            name in GROUPED_KERNELS and name != "tiled"))
+    return name, str(prefill) if prefill == train else f"{prefill} / {train}"
 
 
 def table(built: dict[str, torch.nn.Module], results: dict[str, dict[str, float]],
           attention: dict[str, float], args: argparse.Namespace) -> str:
     llama, rows = results["Llama sdpa"], [
-        "| model | parameters | kernel | softmax maps / layer | prefill s | train step s | attention fwd+bwd s | "
-        "prefill / Llama | train / Llama | attention / Llama |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        "| model | parameters | kernel | softmax maps / layer (prefill / train) | prefill s | train step s | "
+        "attention fwd s | attention fwd+bwd s | prefill / Llama | train / Llama | attention fwd / Llama | "
+        "attention fwd+bwd / Llama |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = attention["Llama sdpa"]
     for name, model in built.items():
-        result, (kernel, maps) = results[name], kernel_and_softmaxes(model, args)
+        result, (kernel, maps), (forward, both) = results[name], kernel_and_softmaxes(model, args), attention[name]
         rows.append(f"| {name} | {model.num_parameters():,} | {kernel} | {maps} | "
-                    f"{result['prefill']:.3f} | {result['train']:.3f} | {attention[name]:.4f} | "
+                    f"{result['prefill']:.3f} | {result['train']:.3f} | {forward:.4f} | {both:.4f} | "
                     f"{result['prefill'] / llama['prefill']:.2f} | {result['train'] / llama['train']:.2f} | "
-                    f"{attention[name] / attention['Llama sdpa']:.2f} |")
+                    f"{forward / base[0]:.2f} | {both / base[1]:.2f} |")
     return "\n".join(rows)
 
 

@@ -134,7 +134,7 @@ def sdpa_decode_step(module, q, k, v, lam, attention_mask, scaling, **kwargs):
 
 def tiled_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
     """Both branches of a tile of query rows in one softmax and one product with V (`tiled_diff_attention`)."""
-    return tiled_diff_attention(q, k, v, lam, scaling, attention_mask), None
+    return tiled_diff_attention(q, k, v, lam, scaling, attention_mask, group=noise_group(module)), None
 
 
 def diff_flash_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
@@ -155,8 +155,9 @@ DIFF_KERNELS: dict[str, Callable] = {
     DIFF_FLASH: diff_flash_kernel,  # Triton, one pass for both branches
 }
 
-# The kernels that compute each noise head's map once for its group (GDA); the others get `expand_noise`'s queries.
-GROUPED_KERNELS = ("eager", "standard_calls")
+# The kernels that take grouped noise heads' queries (GDA) as they are: they compute each noise head's map once for
+# its group (`tiled` without gradients; with them it repeats the queries itself); the others get `expand_noise`'s.
+GROUPED_KERNELS = ("eager", "standard_calls", "tiled")
 
 
 def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:

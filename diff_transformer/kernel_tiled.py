@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .kernel_common import autocast_off, drop_unfilled_keys, mask_scores_
+from .kernel_common import autocast_off, drop_unfilled_keys, expand_noise, mask_scores_, split_branches
 
 TILE_ROWS = 128  # query rows per tile: the fastest size measured on CPU
 
@@ -61,14 +61,14 @@ def branch_scores(
     q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, buffer: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Both masked score maps of a tile: pre-scaled q [2, B, h_kv, n_rep, t, d], K^T [2, B, h_kv, d, e] ->
-    [2, B, h_kv, n_rep, t, e], written to the start of `buffer` if given. `mask`: boolean or additive, or None
+    [2, B, h_kv, n_rep, t, e] (or one branch's, with a leading 1), written to the start of `buffer` if given. `mask`: boolean or additive, or None
     (causal: the last t keys are the rows' own). Masked scores get a finite fill, so fully masked rows give a
     uniform map instead of NaN."""
     _, batch, h_kv, n_rep, rows, d = q.shape
     q_flat = q.reshape(-1, n_rep * rows, d)  # [2 * B * h_kv, n_rep * t, d], a view of a tile's slice
     kt_flat = kt.reshape(-1, d, kt.shape[-1])  # [2 * B * h_kv, d, e]
     out = buffer_view(buffer, q_flat.shape[0], n_rep * rows, kt_flat.shape[-1])
-    scores = torch.bmm(q_flat, kt_flat, out=out).view(2, batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, n_rep, t, e]
+    scores = torch.bmm(q_flat, kt_flat, out=out).view(q.shape[0], batch, h_kv, n_rep, rows, -1)  # [2, B, h_kv, R, t, e]
     return mask_scores_(scores, mask)
 
 
@@ -136,6 +136,31 @@ def forward_tiles(q_branches: torch.Tensor, kt_branches: torch.Tensor, v: torch.
     for start, stop, keys in tiles(length, kt_branches.shape[-1], rows):
         probs = tile_probs(q_branches, kt_branches, map_mask, start, stop, keys, buffer)
         write_product(out, start, differential_map(probs, lam, out=probs[0]), v_flat)
+    return out
+
+
+def grouped_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float, rows: int, group: int) -> torch.Tensor:
+    """`tiled_forward` with grouped noise heads (q [B, h + h / group, T, d]; a mask shared by the heads), outside
+    autograd: per tile each noise head's map is computed once and subtracted, through a broadcast view, from the
+    maps of the `group` heads it serves. [B, T, h_kv, n_rep, dv]."""
+    q1, q2, _, _ = split_branches(q, q, group)
+    batch, _, length, d = q1.shape
+    h_kv, num_keys = k.shape[1], k.shape[2]
+    # [B, h_kv, n_rep, T, d] and [B, h_kv, n_rep / group, T, d]: head j and noise head j // group share a kv head
+    queries = [x.reshape(batch, h_kv, -1, length, d).to(torch.float32, memory_format=torch.contiguous_format,
+                                                         copy=True).mul_(scaling)[None] for x in (q1, q2)]
+    kt = k.view(batch, h_kv, num_keys, 2, d).permute(3, 0, 1, 4, 2).contiguous()  # [2, B, h_kv, d, S]
+    map_mask, n_rep, noise_rep = branch_mask(mask, h_kv), queries[0].shape[3], queries[1].shape[3]
+    v_flat = v.contiguous().view(batch * h_kv, num_keys, v.shape[-1])  # [B * h_kv, S, dv]
+    out = v.new_empty(batch, length, h_kv, n_rep, v.shape[-1])
+    for start, stop, keys in tiles(length, num_keys, rows):
+        tile_mask = None if map_mask is None else map_mask[..., start:stop, :keys]
+        p1, p2 = (torch.softmax(branch_scores(x[..., start:stop, :], kt[b : b + 1, ..., :keys], tile_mask), dim=-1)[0]
+                  for b, x in enumerate(queries))  # [B, h_kv, n_rep, t, e], [B, h_kv, noise_rep, t, e]
+        grouped = p1.view(batch, h_kv, noise_rep, group, stop - start, keys)  # the heads of each noise head
+        torch.addcmul(grouped, p2.unsqueeze(3), lam, value=-1, out=grouped)  # P_1 - lambda P_2 of the group's noise
+        write_product(out, start, p1, v_flat)
     return out
 
 
@@ -212,14 +237,21 @@ def add_bmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 @autocast_off
 def tiled_diff_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, scaling: float,
-    mask: torch.Tensor | None = None, rows: int = TILE_ROWS,
+    mask: torch.Tensor | None = None, rows: int = TILE_ROWS, group: int = 1,
 ) -> torch.Tensor:
     """Differential attention output [B, T, h, dv] in fp32 (layout in the module docstring); causal, with `mask` or
-    without (None). Arguments in the order of the other kernels' (q, k, v, lam, scaling, ..., mask)."""
+    without (None). Arguments in the order of the other kernels' (q, k, v, lam, scaling, ..., mask). `group` > 1:
+    grouped noise heads, q [B, h + h / group, T, d]; without gradients each noise map is computed once per group
+    (`grouped_forward`), with them (or a per-head mask) each noise query is repeated over its group."""
     k, v = drop_unfilled_keys(q, k, v, mask)
     q, k, v = q.float(), k.float(), v.float()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))
+    if group > 1 and (grad or (mask is not None and mask.shape[1] > 1)):
+        q, group = expand_noise(q, group), 1
+    if grad:
         out = TiledDiffAttention.apply(q, k, v, lam, mask, scaling, rows)
+    elif group > 1:
+        out = grouped_forward(q, k, v, lam, mask, scaling, rows, group)
     else:
         out = tiled_forward(q, k, v, lam, mask, scaling, rows)
     return out.flatten(2, 3)  # [B, T, h_kv, n_rep, dv] -> [B, T, h, dv]

@@ -91,7 +91,7 @@ def test_sdpa_tiled_cpu_route_matches_eager(monkeypatch, heads, padded):
     logits and every parameter gradient vs eager."""
     calls = []
     monkeypatch.setattr(attention_kernels, "tiled_diff_attention",
-                        lambda *args: calls.append(args[0].shape) or tiled_diff_attention(*args))
+                        lambda *args, **kwargs: calls.append(args[0].shape) or tiled_diff_attention(*args, **kwargs))
     tokens, mask = batch_and_mask(padded, length=160)
     results = {name: loss_and_grads(build(name, hidden_size=256, **HEADS[heads]).train(), tokens, mask)
                for name in ("eager", "sdpa")}

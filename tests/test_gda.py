@@ -16,6 +16,7 @@ from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.attention_kernels import DIFF_FLASH, run_kernel, triton_available
 from diff_transformer.diff_tensor_parallel import check_tp_size
 from diff_transformer.kernel_naive import naive_diff_attention
+from diff_transformer.kernel_tiled import tiled_diff_attention
 from diff_transformer.serving.layout import check_servable
 
 NAMES = ("out", "dq", "dk", "dv", "dlam")
@@ -82,6 +83,23 @@ def test_kernel_matches_reference(name: str, case: Case):
     if name == DIFF_FLASH and not triton_available()[0]:
         pytest.skip(triton_available()[1])
     check_kernel(name, *KERNELS[name], case)
+
+
+# inference (no gradients): `tiled` takes the g noise queries as they are, each noise map once per tile; one tile
+# and several (rows 5: tiles of 5 rows, the last one short); two noise heads per kv head, so a wrong order shows
+GROUPED_CASES = CASES + [Case(2, 16, 16, 8, 2, 16, N=4), Case(2, 16, 16, 8, 2, 16, N=4, attn="padmask")]
+
+
+@pytest.mark.parametrize("rows", [128, 5])
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: c.id)
+def test_tiled_inference_computes_each_noise_map_once(case: Case, rows: int):
+    q, k, v, lam = (t.detach() for t in leaves(case, torch.float32))
+    mask, scaling, group = padding_mask(case), case.D**-0.5, case.H // case.noise
+    with torch.no_grad():
+        got = tiled_diff_attention(q, k, v, lam, scaling, mask, rows=rows, group=group)
+    expected = naive_diff_attention(q.double(), k.double(), v.double(), lam.double(), scaling, mask=mask, group=group)
+    keep = ~empty_rows(case)
+    assert_close(got[keep], expected[keep].float(), torch.float32, f"tiled inference {case.id} rows {rows}", "tiled")
 
 
 # ---- whole models ----------------------------------------------------------------------------------------------
