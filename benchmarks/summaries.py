@@ -331,6 +331,62 @@ def lm_scaling(root: Path) -> str:
     return "\n".join(lines)
 
 
+def load_study(root: Path, task: str) -> dict | None:
+    """benchmarks/paper_small/study/<task>/results.json (`paper_small.py --study`), or None where it is not run."""
+    path = root / PAPER_SMALL / "study" / task / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def study_finals(found: dict, model: str, init: str, field: str = "val_loss") -> list[float]:
+    """`field` of `model` at `init` per seed, in seed order (the study's main runs)."""
+    runs = [r for r in found["rows"] if r["task"] == found["task"] and r["model"] == model and r["init"] == init]
+    return [r[field] for r in sorted(runs, key=lambda r: r["seed"])]
+
+
+def study_summary(module, found: dict) -> list[str]:
+    """The text study's README lines: each family at its best initialisation, and DIFF - Llama at the package's
+    default (same initialisation) and each at its best."""
+    best, inits = found["best_init"], list(found["sweep"])
+    seeds = sorted({r["seed"] for r in found["rows"] if r["task"] == found["task"]})
+    cell = lambda values: "{mean:.3f} ± {sd:.3f}".format(**module.spread(values))
+    at_best = ", ".join(f"{'Llama' if m == 'Transformer' else m} {cell(study_finals(found, m, best[m]))} "
+                        f"(`{best[m]}`, LR {found['lr'][best[m]][m]:g})" for m in MODELS)
+    steps = found["rows"][0]["steps"]
+    lines = [f"- Small-scale reproduction on text, every family at each initialisation "
+             f"({', '.join(f'`{i}`' for i in inits)}) with its own learning-rate sweep (`benchmarks/paper_small.py "
+             f"--study --tasks text`: tiny Shakespeare, {steps:,} steps, seeds {', '.join(map(str, seeds))}):",
+             f"  - validation loss, each at its best: {at_best}"]
+    pairs = [(f"both at `{init}`{' (the default)' if init == module.PACKAGE_DEFAULT else ''}", init, init)
+             for init in (module.PACKAGE_DEFAULT, module.BASE_INIT) if init in inits]
+    pairs.append((f"each at its best (DIFF `{best['DIFF']}`, Llama `{best['Transformer']}`)", best["DIFF"],
+                  best["Transformer"]))
+    for what, diff_init, llama_init in pairs:
+        lines.append(f"  - validation loss, DIFF - Llama, {what}: " + interval_cell(
+            module, study_finals(found, "DIFF", diff_init), study_finals(found, "Transformer", llama_init)))
+    return lines
+
+
+def paper_small_study(root: Path) -> str:
+    """The text study (`paper_small.py --study`) as one table: per initialisation each family's final validation
+    loss (mean ± sd over seeds, its swept learning rate) and DIFF - Llama at that initialisation."""
+    module, _, _ = load_lm_scaling(root)
+    found = load_study(root, "text")
+    if found is None:
+        return "Not run yet: `python benchmarks/paper_small.py --study --tasks text`."
+    cell = lambda values: "{mean:.3f} ± {sd:.3f}".format(**module.spread(values))
+    lines = [f"Generated from benchmarks/paper_small/study/text/results.json (`{found['command']}`).", "",
+             "| initialisation | DIFF (LR) | DiffLlama (LR) | Llama (LR) | DIFF - Llama |", "|---|---|---|---|---|"]
+    for init in found["sweep"]:
+        finals = {m: study_finals(found, m, init) for m in MODELS}
+        lines.append(f"| {init}{' (the default)' if init == module.PACKAGE_DEFAULT else ''} | " + " | ".join(
+            f"{cell(finals[m])} ({found['lr'][init][m]:g})" for m in MODELS)
+            + f" | {interval_cell(module, finals['DIFF'], finals['Transformer'])} |")
+    best = found["best_init"]
+    lines += ["", "Each family's best initialisation (lowest mean validation loss): " + ", ".join(
+        f"{'Llama' if m == 'Transformer' else m} `{best[m]}`" for m in MODELS) + "."]
+    return "\n".join(lines)
+
+
 def models_cell(runs: list[dict], get: Callable, digits: int = 3) -> str:
     """'DIFF x ± s, DiffLlama y ± s, Llama z ± s': each model's mean ± sd over its seeds."""
     out = []
@@ -353,6 +409,7 @@ def readme_summary(root: Path) -> str:
     seeds = ", ".join(map(str, cfg["seeds"]))
     at = lambda init: f"`{init}`{' (the default)' if init == module.PACKAGE_DEFAULT else ''}"
     lines = [
+        *(study_summary(module, found) if (found := load_study(root, "text")) else []),
         f"- Small-scale reproduction (`benchmarks/paper_small.py`, {params[0] / 1e6:.2f}-{params[-1] / 1e6:.2f}M "
         f"parameters), all three families at Llama's initialisation ({at(module.BASE_INIT)}: DIFF's embeddings "
         "unscaled, not the package's default; one learning rate for all), mean ± sd over seeds:",
@@ -391,6 +448,7 @@ SECTIONS: dict[str, Callable[[Path], str]] = {
     "paper-small-figures": paper_small_figures,
     "paper-small-text": paper_small_text,
     "paper-small-retrieval": paper_small_retrieval,
+    "paper-small-study": paper_small_study,
     "readme-summary": readme_summary,
 }
 
