@@ -103,6 +103,27 @@ def test_differential_parameters_train_on_every_stack(stack: str):
     assert expected and trained == expected, f"trained {sorted(trained)}, differential modules {sorted(expected)}"
 
 
+def test_grouped_noise_heads_train_and_merge():
+    """Grouped noise heads (GDA): the package's LoRA defaults reach q_proj's noise rows (its LoRA B gets gradient in
+    rows h d onwards), train every differential module, and the merged model gives the adapted model's logits."""
+    torch.manual_seed(0)
+    config = tiny_config(num_attention_heads=4, num_key_value_heads=2, num_noise_heads=2, head_dim=8)
+    model = lora_model(DiffForCausalLM._from_config(config, attn_implementation="sdpa"))
+    batch = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses = train(model, batch)
+    assert losses[-1] < LOSS_RATIO * losses[0], f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    signal_rows = config.num_attention_heads * config.head_dim
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight)  # [(h + g) d, hidden]
+    assert delta.shape[0] == signal_rows + config.num_noise_heads * config.head_dim
+    assert delta[signal_rows:].abs().max() > 0, "the noise heads' q rows did not train"
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch).logits
+        actual = model.merge_and_unload()(input_ids=batch).logits
+    assert torch.allclose(actual, expected, atol=MERGE_ATOL, rtol=0), max_mean(actual, expected)
+
+
 # ---- prefix tuning ----------------------------------------------------------------------------------------------
 
 # The attention stacks of the contract tests, plus V1 with MHA and V1 with d-wide values (converted checkpoints).
