@@ -501,7 +501,9 @@ def test_server_answers_openai_requests_like_pipeline(trained_folder, tmp_path):
         assert served == prompt_ids, f"{name}: vLLM's prompt {served} != the tokenizer's {prompt_ids}"
         assert answer["choices"][0]["token_ids"] == new_ids, f"{name}: vLLM {answer['choices'][0]} != {new_ids}"
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    assert streamed == completion["choices"][0]["token_ids"] and chunks >= 4, (streamed, chunks)
+    # streamed: more than one chunk (vLLM coalesces tokens into one delta when its server loop falls behind, as on
+    # a loaded machine: 3 chunks for 4 tokens seen)
+    assert streamed == completion["choices"][0]["token_ids"] and chunks >= 2, (streamed, chunks)
     assert [a["choices"][0]["token_ids"] for a in together] == [a["choices"][0]["token_ids"] for a in alone]
     assert len({tuple(a["choices"][0]["token_ids"]) for a in alone}) > 1, "every prompt gave the same tokens"
     assert server.returncode is not None
