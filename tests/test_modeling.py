@@ -499,7 +499,9 @@ def test_sequence_classification_logits_loss_and_padding(backend):
     model = DiffForSequenceClassification._from_config(config, attn_implementation=backend).eval()
     base = DiffModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     assert model.config._attn_implementation == backend
-    assert base.load_state_dict(model.model.state_dict()) is not None
+    missing, unexpected = base.load_state_dict(model.model.state_dict(), strict=False)
+    assert not missing and not unexpected, f"the classifier's body is not a DiffModel: missing {missing}, " \
+        f"unexpected {unexpected}"
     gen = torch.Generator().manual_seed(4)
     rows = [torch.randint(3, 97, (n,), generator=gen) for n in (9, 5, 7)]
     rows[2][3] = config.pad_token_id  # an inner pad token: the pooled token is still the last one
