@@ -16,6 +16,7 @@ from helpers import tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diff_transformer import DiffForCausalLM, capture_branch_attentions
+from diff_transformer.tools.commands import load_models
 from diff_transformer.tools.evaluation import (
     CITIES,
     FILLER,
@@ -23,7 +24,6 @@ from diff_transformer.tools.evaluation import (
     NeedleSettings,
     accuracy_table,
     attention_noise_reports,
-    load,
     needle,
     needle_grid,
     noise_heatmaps,
@@ -247,8 +247,8 @@ def test_committed_example_recomputes_to_its_table(tmp_path):
     a division of head-averaged rows), to the printed digits and the bf16 models' drift between CPUs (`CROSS_CPU`);
     and the image's size is the committed image's."""
     args = build_parser().parse_args(shlex.split(documented_command())[1:])
-    folders = {"diff": args.model, "baseline": args.baseline}
-    models = {name: load(str(ROOT / folder), "eager") for name, folder in folders.items()}
+    args.model, args.baseline = str(ROOT / args.model), str(ROOT / args.baseline)
+    models = load_models(args, "eager")  # as the command loads them
     reports = attention_noise_reports(models, args.length, args.needles, args.seed)
     committed = (EXAMPLE.with_suffix(".md")).read_text()
     got = noise_table(reports)
