@@ -34,6 +34,7 @@ TILED = "diff_transformer/kernel_tiled.py"
 FLASH = "diff_transformer/kernel_diff_flash.py"
 MOTIF = "diff_transformer/tools/motif.py"
 UNILM_MODULE = "diff_transformer/multihead_diffattn.py"
+POLY_NORM = "diff_transformer/poly_norm.py"
 TRAINER = "diff_transformer/tools/training.py"
 SAFE_WRITE = "diff_transformer/tools/safe_write.py"
 VLLM_MODEL = "diff_transformer/serving/vllm_model.py"
@@ -185,6 +186,8 @@ FAULTS = [
           "    cos, sin = (torch.nn.functional.pad(t, (0, x.shape[-1] // 2 - t.shape[-1])) for t in (cos, sin))\n"
           "    rotary = 2 * cos.shape[-1]\n",
           ["tests/test_multihead_diffattn.py"]),
+    Fault("PolyNorm in bf16 without the fp32 upcast", POLY_NORM, "        z = upcast(x)\n", "        z = x\n",
+          ["tests/test_modeling.py::test_poly_norm_mlp_in_bf16_rounds_only_the_activation_output"]),
     Fault("vLLM TP: a differential pair split across ranks", VLLM_MODEL,
           "            return branch_halves_rank_major(rows, self.ranks, self.signal_rows)\n        if projection == \"k",
           "            return rows\n        if projection == \"k", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),
