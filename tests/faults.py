@@ -181,14 +181,14 @@ FAULTS = [
     Fault("GDA converter: noise rows of the wrong group", MOTIF,
           "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
     # F.pad's default value: a partial rel_pos padded to head_dim / 2 with cos 0 zeroes the unrotated dims
-    Fault("MultiheadDiffAttn: partial rel_pos padded with cos = 0", UNILM_MODULE,
+    Fault("unilm module: rel_pos padded with cos = 0", UNILM_MODULE,
           "    rotary = 2 * cos.shape[-1]\n",
           "    cos, sin = (torch.nn.functional.pad(t, (0, x.shape[-1] // 2 - t.shape[-1])) for t in (cos, sin))\n"
           "    rotary = 2 * cos.shape[-1]\n",
           ["tests/test_multihead_diffattn.py"]),
     Fault("PolyNorm in bf16 without the fp32 upcast", POLY_NORM, "        z = upcast(x)\n", "        z = x\n",
           ["tests/test_modeling.py::test_poly_norm_mlp_in_bf16_rounds_only_the_activation_output"]),
-    Fault("Motif converter: SubLN epsilon defaults to rms_norm_eps's", MOTIF,
+    Fault("Motif: SubLN eps defaults to rms_norm_eps's", MOTIF,
           'subln_eps=fields.get("attn_rms_norm_eps", ATTN_RMS_NORM_EPS)',
           'subln_eps=fields.get("attn_rms_norm_eps", fields.get("rms_norm_eps", 1e-6))',
           ["tests/test_motif.py::test_omitted_fields_take_the_publishers_defaults"]),
