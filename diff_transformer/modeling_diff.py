@@ -122,7 +122,7 @@ class DiffAttention(DifferentialAttentionBase):
             setattr(proj, BRANCH_HALVES, True)  # tensor parallelism shards each branch's half (diff_tensor_parallel.py)
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
-        self.use_subln = config.use_subln  # SubLN and its (1 - lambda_init) scale, or neither: read below only
+        self.use_subln = config.use_subln  # the one decision: SubLN with its (1 - lambda_init) scale, or neither
         self.subln = SubLN(dv, eps=config.subln_eps) if self.use_subln else nn.Identity()  # per head
 
     @property
