@@ -123,6 +123,12 @@ def type_name(annotation: object) -> str:
     return names.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
 
 
+def lambda_init_fn(depth: float) -> float:
+    """Paper §2.1: lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)), with `depth` the 0-based layer index l - 1 (the name
+    and argument of the published code's function)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
 def unvalidated_copy(config: PreTrainedConfig, **fields) -> PreTrainedConfig:
     """A shallow copy of `config` with `fields` set and no field validation: a description for code that reads
     other shapes from a config (a layer's cache, Llama's modules built with other head counts), not a model config."""
@@ -515,7 +521,7 @@ class DiffConfig(PreTrainedConfig):
         lambda_init_offset))` (0-based layer_idx)."""
         if self.lambda_init is not None:
             return self.lambda_init
-        return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_offset))
+        return lambda_init_fn(layer_idx + self.lambda_init_offset)
 
 
 __all__ = ["DiffConfig", "LayerCache", "unsupported_fields"]

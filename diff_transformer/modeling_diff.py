@@ -122,14 +122,17 @@ class DiffAttention(DifferentialAttentionBase):
             setattr(proj, BRANCH_HALVES, True)  # tensor parallelism shards each branch's half (diff_tensor_parallel.py)
         lambda_init = config.layer_lambda_init(layer_idx)
         self.lambda_params = DiffLambda(d, lambda_init, config.lambda_std_dev)
-        self.use_subln = config.use_subln
-        self.subln = SubLN(dv, eps=config.subln_eps) if config.use_subln else nn.Identity()  # per head
-        self.set_lambda_init(lambda_init)
+        self.use_subln = config.use_subln  # the one decision: SubLN with its (1 - lambda_init) scale, or neither
+        self.subln = SubLN(dv, eps=config.subln_eps) if self.use_subln else nn.Identity()  # per head
+
+    @property
+    def output_scale(self) -> float:
+        """The head outputs' scale: 1 - lambda_init with SubLN (paper §2.1), 1 without."""
+        return 1.0 - self.lambda_params.lambda_init if self.use_subln else 1.0
 
     def set_lambda_init(self, value: float) -> None:
         """lambda_init enters lambda and, with SubLN, the output scale 1 - lambda_init."""
         self.lambda_params.lambda_init = value
-        self.output_scale = 1.0 - value if self.use_subln else 1.0
 
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """Project and rotate: q [B, h + g, T, d] (g = h without GDA), k [B, h_kv, T, 2d] (k1 | k2 per kv head),
@@ -148,7 +151,7 @@ class DiffAttention(DifferentialAttentionBase):
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, by the backend's kernel."""
         out, attn_map = diff_attention(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
-        return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map
+        return self.subln(out) * self.output_scale, attn_map  # without SubLN: Identity, times 1
 
 
 class DiffV2Attention(DifferentialAttentionBase):
@@ -203,7 +206,9 @@ class DiffStandardAttention(LlamaAttention):
         super().__init__(unvalidated_copy(config, num_attention_heads=config.num_attention_heads * widen,
                                           num_key_value_heads=cache.kv_heads), layer_idx)
         self.config = config
-        self.o_proj = nn.Linear(self.o_proj.in_features, config.hidden_size, bias=config.attention_out_bias)
+        if config.attention_out_bias != config.attention_bias:  # Llama's o_proj has q/k/v's bias setting
+            bias = self.o_proj.weight.new_zeros(config.hidden_size)
+            self.o_proj.bias = nn.Parameter(bias) if config.attention_out_bias else None
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Llama's forward; on continuous batching's paged cache, whose rows may be wider than this layer's keys and

@@ -20,24 +20,18 @@ passed through `nan_to_num` (the published code's guard against inf in q k^T). T
 inputs run the float64 reference kernel (`kernel_naive.py`), for checks.
 """
 
-import math
-
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
 from .attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel
-from .kernel_naive import naive_diff_attention
+from .configuration_diff import lambda_init_fn  # the published module's name, importable from here as there
 from .diff_lambda import compute_lambda
+from .kernel_naive import naive_diff_attention
 from .modeling_diff import SubLN
 
 IMPLEMENTATIONS = ("eager", "sdpa", "tiled", DIFF_FLASH)
 SUBLN_EPS = 1e-5  # the published module's SubLN epsilon
-
-
-def lambda_init_fn(depth: int) -> float:
-    """Paper §2.1: lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)) with the 0-based layer index as `depth`."""
-    return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
 def rotary_rel_pos(length: int, head_dim: int, theta: float = 10000.0, offset: int = 0,

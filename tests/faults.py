@@ -33,6 +33,8 @@ COMMON = "diff_transformer/kernel_common.py"
 TILED = "diff_transformer/kernel_tiled.py"
 FLASH = "diff_transformer/kernel_diff_flash.py"
 MOTIF = "diff_transformer/tools/motif.py"
+UNILM_MODULE = "diff_transformer/multihead_diffattn.py"
+POLY_NORM = "diff_transformer/poly_norm.py"
 TRAINER = "diff_transformer/tools/training.py"
 SAFE_WRITE = "diff_transformer/tools/safe_write.py"
 VLLM_MODEL = "diff_transformer/serving/vllm_model.py"
@@ -98,11 +100,14 @@ FAULTS = [
           "    k, v = k[:, :, 1:], v[:, :, 1:]\n"
           "    attention_mask = None if attention_mask is None else attention_mask[..., 1:]\n", DECODE),
     Fault("SubLN gain ignored", MODELING,
-          "return (self.subln(out) * self.output_scale if",
-          "return (self.subln(out) / self.subln.weight * self.output_scale if", LAYER),
+          "return self.subln(out) * self.output_scale, attn_map",
+          "return self.subln(out) / self.subln.weight * self.output_scale, attn_map", LAYER),
     Fault("(1 - lambda_init) scale dropped", MODELING,
-          "self.output_scale = 1.0 - value if self.use_subln else 1.0",
-          "self.output_scale = 1.0", LAYER),
+          "return 1.0 - self.lambda_params.lambda_init if self.use_subln else 1.0",
+          "return 1.0", LAYER),
+    Fault("standard layers' o_proj bias follows q/k/v's", MODELING,
+          "if config.attention_out_bias != config.attention_bias:", "if False:",
+          ["tests/test_hybrid.py::test_every_layer_kind_takes_each_bias_setting"]),
     Fault("query branch rows swapped", COMMON,
           "return q[:, :h], q[:, h:], k[..., :d], k[..., d:]",
           "return q[:, h:], q[:, :h], k[..., :d], k[..., d:]", LAYER),
@@ -175,6 +180,18 @@ FAULTS = [
           ["tests/test_gda.py::test_tiled_inference_computes_each_noise_map_once"]),
     Fault("GDA converter: noise rows of the wrong group", MOTIF,
           "else torch.arange(groups)", "else torch.arange(groups).roll(1)", MOTIF_LOGITS),
+    # F.pad's default value: a partial rel_pos padded to head_dim / 2 with cos 0 zeroes the unrotated dims
+    Fault("unilm module: rel_pos padded with cos = 0", UNILM_MODULE,
+          "    rotary = 2 * cos.shape[-1]\n",
+          "    cos, sin = (torch.nn.functional.pad(t, (0, x.shape[-1] // 2 - t.shape[-1])) for t in (cos, sin))\n"
+          "    rotary = 2 * cos.shape[-1]\n",
+          ["tests/test_multihead_diffattn.py"]),
+    Fault("PolyNorm in bf16 without the fp32 upcast", POLY_NORM, "        z = upcast(x)\n", "        z = x\n",
+          ["tests/test_modeling.py::test_poly_norm_mlp_in_bf16_rounds_only_the_activation_output"]),
+    Fault("Motif: SubLN eps defaults to rms_norm_eps's", MOTIF,
+          'subln_eps=fields.get("attn_rms_norm_eps", ATTN_RMS_NORM_EPS)',
+          'subln_eps=fields.get("attn_rms_norm_eps", fields.get("rms_norm_eps", 1e-6))',
+          ["tests/test_motif.py::test_omitted_fields_take_the_publishers_defaults"]),
     Fault("vLLM TP: a differential pair split across ranks", VLLM_MODEL,
           "            return branch_halves_rank_major(rows, self.ranks, self.signal_rows)\n        if projection == \"k",
           "            return rows\n        if projection == \"k", [f"{VLLM_TP}[hybrid_v1_mha-tp2]"], "vllm"),

@@ -34,6 +34,20 @@ def test_layer_classes_follow_attention_types():
     assert model.model.layers[0].self_attn.q_proj.weight.shape == model.model.layers[1].self_attn.q_proj.weight.shape
 
 
+@pytest.mark.parametrize("attention_bias, attention_out_bias", [(True, False), (False, True)])
+def test_every_layer_kind_takes_each_bias_setting(attention_bias, attention_out_bias):
+    """`attention_bias` sets the q/k/v biases and `attention_out_bias` o_proj's, in standard layers too (whose o_proj
+    Llama's constructor builds with the q/k/v setting)."""
+    torch.manual_seed(0)
+    model = hybrid_model("eager", attention_bias=attention_bias, attention_out_bias=attention_out_bias)
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        found = {name: getattr(attn, name).bias is not None for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        expected = {"q_proj": attention_bias, "k_proj": attention_bias, "v_proj": attention_bias,
+                    "o_proj": attention_out_bias}
+        assert found == expected, f"layer {index} ({type(attn).__name__}): biases {found}, expected {expected}"
+
+
 def test_backends_agree():
     torch.manual_seed(0)
     eager = hybrid_model("eager")

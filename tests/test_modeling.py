@@ -32,14 +32,19 @@ from helpers import (
     reference_lambda,
     tiny_config,
 )
+from helpers.motif_format import polynorm
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffForSequenceClassification, DiffModel
 from diff_transformer.attention_kernels import BRANCH_MAPS, eager_diff_attention
 from diff_transformer.diff_lambda import compute_lambda, frozen_lambdas
 from diff_transformer.kernel_tiled import tiled_diff_attention
+from diff_transformer.poly_norm import build_mlp
 
 BACKENDS = ["eager", "sdpa"]
+BF16_ROUNDING = 2.0**-8  # a bf16 number keeps 8 significant bits: rounding to it moves a value by <= 2^-8 relative
+FP32_ATOL = 1e-5  # fp32's own error on PolyNorm's terms (|.| < 10): a value that close to a bf16 boundary may round
+# either way
 DTYPES = [torch.float32, torch.bfloat16]
 HEADS = {
     "MHA": dict(num_attention_heads=4, num_key_value_heads=4),
@@ -499,7 +504,9 @@ def test_sequence_classification_logits_loss_and_padding(backend):
     model = DiffForSequenceClassification._from_config(config, attn_implementation=backend).eval()
     base = DiffModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     assert model.config._attn_implementation == backend
-    assert base.load_state_dict(model.model.state_dict()) is not None
+    missing, unexpected = base.load_state_dict(model.model.state_dict(), strict=False)
+    assert not missing and not unexpected, f"the classifier's body is not a DiffModel: missing {missing}, " \
+        f"unexpected {unexpected}"
     gen = torch.Generator().manual_seed(4)
     rows = [torch.randint(3, 97, (n,), generator=gen) for n in (9, 5, 7)]
     rows[2][3] = config.pad_token_id  # an inner pad token: the pooled token is still the last one
@@ -601,3 +608,36 @@ def test_folder_saved_before_the_multiplier_keeps_unscaled_embeddings():
     with torch.no_grad():
         first = model(ids, output_hidden_states=True).hidden_states[0]
     assert torch.equal(first, model.get_input_embeddings().weight[ids])
+
+
+def test_poly_norm_mlp_in_bf16_rounds_only_the_activation_output():
+    """The PolyNorm MLP in bf16: its activation, computed in fp32 from the bf16 gate projection, is the float64
+    formula (tests/helpers/motif_format.py's) on that same input rounded once to bf16 (<= 2^-8 relative). The
+    coefficients nearly cancel (N(z^3) - 0.9 N(z) ...), so bf16 intermediates (a missing fp32 upcast) land up to
+    0.07 beyond that bound, where the upcast stays within it (max relative 0.0039, 2^-8). The MLP's output is the
+    float64 MLP's within bf16's matmul rounding (measured up to 0.0062 of 1 + |expected|)."""
+    torch.manual_seed(0)
+    config = tiny_config(hidden_act="poly_norm")
+    mlp = build_mlp(config)
+    with torch.no_grad():
+        mlp.act_fn.weight.copy_(torch.tensor([1.0, 0.2, -0.9]))
+        mlp.act_fn.bias.fill_(-0.2)
+    mlp = mlp.bfloat16()
+    seen = {}
+    mlp.act_fn.register_forward_hook(lambda module, args, output: seen.update(gate=args[0], act=output))
+    x = torch.randn(4, 16, config.hidden_size).bfloat16()
+    with torch.no_grad():
+        out = mlp(x)
+    w = {name: value.double() for name, value in mlp.state_dict().items()}
+    expected_act = polynorm(seen["gate"].double(), w["act_fn.weight"], w["act_fn.bias"], None)
+    diff = (seen["act"].double() - expected_act).abs()
+    assert seen["act"].dtype == out.dtype == torch.bfloat16, (seen["act"].dtype, out.dtype)
+    assert (diff <= BF16_ROUNDING * expected_act.abs() + FP32_ATOL).all(), (
+        f"PolyNorm in bf16 vs float64: max diff {diff.max():.3e}, mean {diff.mean():.3e}, max relative "
+        f"{(diff / expected_act.abs()).max():.3e} (bound {BF16_ROUNDING:.3e} + {FP32_ATOL:g})")
+    xd = x.double()
+    expected = (polynorm(xd @ w["gate_proj.weight"].T, w["act_fn.weight"], w["act_fn.bias"], None)
+                * (xd @ w["up_proj.weight"].T)) @ w["down_proj.weight"].T
+    diff = (out.double() - expected).abs()
+    assert (diff <= 0.02 * (1 + expected.abs())).all(), (
+        f"PolyNorm MLP in bf16 vs float64: max diff {diff.max():.3e}, mean {diff.mean():.3e}")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.motif_format import (BASE, CASES, FAULTS, MOTIF_3, REAL_12_7B, REAL_12_7B_PARAMETERS, random_weights,
-                                  reference_logits, source_shapes, write_motif_folder)
+from helpers.motif_format import (BASE, CASES, FAULTS, MOTIF_3, OMITTABLE, REAL_12_7B, REAL_12_7B_PARAMETERS,
+                                  random_weights, reference_logits, source_shapes, write_motif_folder)
 
 from diff_transformer import DiffForCausalLM
 from diff_transformer.tools.motif import (MotifFormatError, added_parameters, convert_motif, import_motif,
@@ -271,6 +271,22 @@ def test_unset_unknown_fields_pass_and_ignore_fields_acknowledges(tmp_path):
     write_motif_folder(tmp_path, fields, weights)
     model = import_motif(tmp_path, ignore_fields=("wesar_weights",))
     assert max_error(model, weights, fields) < ATOL
+
+
+@pytest.mark.parametrize("case", ["v1-mha-tied", "gda-tied"])
+def test_omitted_fields_take_the_publishers_defaults(tmp_path, case):
+    """A config.json without the fields a publisher may leave out (`OMITTABLE`: the SubLN epsilon, rope_theta, the
+    bias switch; num_key_value_heads where it equals the head count) converts to the logits of the float64
+    reference with the defaults the public ports read: a converter default off by the SubLN epsilon's 1e-5 vs 1e-6
+    moves them by ~1e-4, five times ATOL."""
+    fields = {**BASE, **CASES[case]}
+    assert {name: fields[name] for name in OMITTABLE} == OMITTABLE, "the reference's fields are not the defaults"
+    omitted = [*OMITTABLE, *(["num_key_value_heads"] if fields["num_key_value_heads"] ==
+                             fields["num_attention_heads"] else [])]
+    weights = random_weights(fields)
+    write_motif_folder(tmp_path, {name: value for name, value in fields.items() if name not in omitted}, weights)
+    error = max_error(import_motif(tmp_path), weights, fields)
+    assert error < ATOL, f"without {omitted}: converted logits vs float64 reference, max error {error:.3g}"
 
 
 def test_unexpected_weight_is_named(tmp_path):

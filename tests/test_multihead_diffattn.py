@@ -12,6 +12,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from diff_transformer import MultiheadDiffAttn, rotary_rel_pos
+from diff_transformer.multihead_diffattn import lambda_init_fn
 from diff_transformer.tools.unilm import diff_to_unilm, unilm_to_diff
 
 # (embed_dim, num_heads, num_kv_heads): MHA, GQA n_rep 2 and 4; d = 8 or 16
@@ -32,9 +33,11 @@ DIFF_FLASH_TOLERANCES = {**TOLERANCES, torch.bfloat16: {**TOLERANCES[torch.bfloa
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, d] float64: adjacent pairs as complex numbers times e^(i angle)."""
-    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())  # [B, T, H, d/2]
-    return torch.view_as_real(pairs * torch.complex(cos, sin)[:, None]).flatten(-2)
+    """x [B, T, H, d] float64: adjacent pairs of the first 2 r dims (cos, sin [T, r]) as complex numbers times
+    e^(i angle); the other dims unrotated (partial rotary, as the published code's flash-attn rotary does)."""
+    rotary = 2 * cos.shape[-1]
+    pairs = torch.view_as_complex(x[..., :rotary].reshape(*x.shape[:-1], -1, 2).contiguous())  # [B, T, H, r]
+    return torch.cat([torch.view_as_real(pairs * torch.complex(cos, sin)[:, None]).flatten(-2), x[..., rotary:]], -1)
 
 
 def reference(params: dict, x: torch.Tensor, cos, sin, mask, num_heads: int, num_kv_heads: int, depth: int):
@@ -106,16 +109,18 @@ def compare_grads(actual: dict, expected: dict, dtype: torch.dtype, skip: tuple[
             f"max diff {(got - ref).abs().max().item():.3g}, mean {(got - ref).abs().mean().item():.3g}")
 
 
-def run_pair(module: MultiheadDiffAttn, dtype: torch.dtype, batch: int, length: int, mask_kind: str):
+def run_pair(module: MultiheadDiffAttn, dtype: torch.dtype, batch: int, length: int, mask_kind: str,
+             depth: int = 2, rotary_dim: int | None = None):
     """(module outputs and grads in `dtype`, reference outputs and grads in float64) on the same inputs: the
-    reference reads the module's `dtype` weights and inputs, so only the computation differs."""
+    reference reads the module's `dtype` weights and inputs, so only the computation differs. `depth` is the
+    module's; `rotary_dim` (default head_dim) the dims `rel_pos` rotates."""
     module = module.to(dtype)
     if dtype != torch.float64:
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):  # as published: fp32 lambda vectors
             getattr(module, name).data = getattr(module, name).data.float()
     torch.manual_seed(1)
     x = torch.randn(batch, length, module.embed_dim).to(dtype).requires_grad_()
-    rel_pos = rotary_rel_pos(length, module.head_dim, dtype=dtype)
+    rel_pos = rotary_rel_pos(length, rotary_dim or module.head_dim, dtype=dtype)
     mask = make_mask(mask_kind, batch, length, dtype)
     grad_out = torch.randn(batch, length, module.embed_dim).to(dtype)
     valid = torch.ones(batch, length, dtype=torch.bool)
@@ -127,7 +132,7 @@ def run_pair(module: MultiheadDiffAttn, dtype: torch.dtype, batch: int, length: 
     x_ref = x.detach().double().requires_grad_()
     mask_ref = None if mask is None else mask.double()
     cos, sin = (t.double() for t in rel_pos)
-    expected = reference(params, x_ref, cos, sin, mask_ref, module.num_heads, module.num_kv_heads, 2)
+    expected = reference(params, x_ref, cos, sin, mask_ref, module.num_heads, module.num_kv_heads, depth)
     (expected * grad_out.double()).sum().backward()
 
     module.zero_grad()
@@ -151,7 +156,7 @@ def test_parameters_match_the_published_module_names_and_shapes():
     assert shapes == {"q_proj.weight": (64, 64), "k_proj.weight": (32, 64), "v_proj.weight": (32, 64),
                       "out_proj.weight": (64, 64), "lambda_q1": (8,), "lambda_k1": (8,), "lambda_q2": (8,),
                       "lambda_k2": (8,), "subln.weight": (16,)}
-    assert module.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.9))
+    assert module.lambda_init == lambda_init_fn(3) == pytest.approx(0.8 - 0.6 * math.exp(-0.9))
     module.load_state_dict({name: torch.randn(shape) for name, shape in shapes.items()}, strict=True)
 
 
@@ -197,6 +202,19 @@ def test_diff_flash_matches_the_reference(dtype, mask_kind, length):
     # bf16: the kernel rounds P to bf16 before P V, and dL/dlambda, a sum over every output largely cancelled by
     # SubLN's backward, falls below that resolution (relative error up to 0.5 at T = 1); fp32 checks it at 1e-3
     compare_grads(grads, grads_ref, dtype, ("lambda",) if dtype == torch.bfloat16 else (), DIFF_FLASH_TOLERANCES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_partial_rotary_and_another_depth_match_the_reference(dtype):
+    """`rel_pos` narrower than head_dim / 2 rotates only the first dims (the published code's rotary, as flash-attn
+    applies it; here 8 of d = 16) and leaves the rest as projected; `depth` 5 sets lambda_init in lambda and the
+    output scale. Both against the reference, which computes them from the same arguments."""
+    module = make_module("E128-H4-KV1", depth=5, implementation="eager")
+    assert module.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-1.5))
+    actual, expected, grads, grads_ref = run_pair(module, dtype, 2, 12, "padded-causal-B-1-T-S", depth=5,
+                                                  rotary_dim=module.head_dim // 2)
+    check_outputs(actual, expected, dtype, f"partial rotary, depth 5, {dtype}")
+    compare_grads(grads, grads_ref, dtype)
 
 
 def test_lambda_and_subln_gain_reach_the_output():

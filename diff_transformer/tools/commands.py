@@ -454,7 +454,8 @@ def load_models(args: argparse.Namespace, attn_implementation: str) -> dict[str,
         check_context(folder, args.length, f"--length {args.length}")
     if args.baseline is not None:
         check_same_encoding(tokenizers["diff"], tokenizers["baseline"], args.model, args.baseline)
-    # float32 whatever the saved dtype: the measurements sum and divide attention weights (evaluation.load_model)
+    # float32 whatever the saved dtype: the measurements sum and divide attention weights, and bf16 sums differ
+    # between CPUs by more than the tables print
     models = {name: (load_checked_model(folder, attn_implementation=attn_implementation, dtype=torch.float32).eval(),
                      tokenizers[name])
               for name, folder in folders.items()}

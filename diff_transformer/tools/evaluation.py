@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from ..kernel_common import split_branches
@@ -255,17 +255,6 @@ def save_heatmap(results: dict, settings: NeedleSettings, path: str | Path, titl
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return fig
-
-
-def load_model(model_dir: str, attn_implementation: str = "sdpa"):
-    """The model in `model_dir` in float32, whatever dtype its weights were saved in: the measurements sum and divide
-    attention weights, and bf16 sums differ between CPUs by more than the tables print."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
-                                                dtype=torch.float32).eval()
-
-
-def load(model_dir: str, attn_implementation: str = "sdpa"):
-    return load_model(model_dir, attn_implementation), AutoTokenizer.from_pretrained(model_dir)
 
 
 def needle_table(results: dict, settings: NeedleSettings, name: str) -> str:

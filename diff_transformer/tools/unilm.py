@@ -28,7 +28,6 @@ from ..modeling_diff import DiffAttention, DiffForCausalLM
 from ..multihead_diffattn import SUBLN_EPS, key_sub_heads
 
 ATTENTION = "model.layers.{}.self_attn."
-LAMBDAS = ("q1", "k1", "q2", "k2")
 
 
 def rotate_half_order(head_dim: int) -> torch.Tensor:

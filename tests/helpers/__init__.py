@@ -6,12 +6,14 @@ output projection written from docs/design.md, the attention itself the package'
 The package's modules hold what some test files share: kernel_cases (kernel shapes and inputs), motif_format
 (Motif-2 folders in the publisher's format), multiprocess (scripts on several processes), without_package (a fresh
 interpreter without `diff_transformer`), training (a tiny Trainer), folders (a tiny saved folder) and
-adapter_training (a few optimizer steps on one batch). A test module imports from here, never from another test
+adapter_training (a few optimizer steps on one batch). `printed_differences` compares a recomputed table with a
+committed one to the printed digits. A test module imports from here, never from another test
 module (tests/test_layout.py checks it).
 """
 
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -373,3 +375,22 @@ def saved_folders(root: os.PathLike, names: tuple[str, ...] = SAVED_FOLDERS) -> 
     if "binary.bin" in names:
         (root / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
     return root
+
+
+FIGURE = re.compile(r"-?\d+\.\d+")  # a printed decimal figure; integers (counts, steps, seeds) are text
+
+
+def printed_differences(got: str, committed: str, slack: float = 1e-9) -> list[str]:
+    """The lines where a recomputed text differs from the committed one beyond its printing: with the decimal
+    figures masked the lines must be equal, and each figure within one unit of its last printed digit of the
+    committed one (+ `slack`): the values behind them may lie on either side of a rounding boundary, where another
+    CPU's last bits put them. Empty when they agree."""
+    lines = list(zip(got.splitlines(), committed.splitlines()))
+    found = [f"{len(got.splitlines())} lines vs {len(committed.splitlines())} committed"] if len(
+        got.splitlines()) != len(committed.splitlines()) else []
+    for number, (a, b) in enumerate(lines, 1):
+        pairs = list(zip(FIGURE.findall(a), FIGURE.findall(b)))
+        if FIGURE.sub("#", a) != FIGURE.sub("#", b) or any(
+                abs(float(x) - float(y)) > 10.0 ** -len(y.split(".")[1]) + slack for x, y in pairs):
+            found.append(f"line {number}: {a}\n   committed: {b}")
+    return found

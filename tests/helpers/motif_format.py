@@ -21,6 +21,11 @@ CASES = {
     "gda-shared-kv-untied-bias": dict(num_attention_heads=15, num_key_value_heads=2, num_noise_heads=3, k_ratio=1,
                                       head_dim=8, use_bias=True),
 }
+# Fields a Motif-2 config.json may omit, with the value the public ports then read (vLLM's Motif port:
+# `getattr(config, "rope_theta", 10000)`, `use_bias` False, `num_key_value_heads` = `num_attention_heads`;
+# mlx-motif: `attn_rms_norm_eps` 1e-5). BASE writes the first three with these values, so a folder without them has
+# the reference of one with them.
+OMITTABLE = dict(attn_rms_norm_eps=1e-5, rope_theta=10000.0, use_bias=False)
 # Motif-2-12.7B's head layout and sizes (40 q heads of which 8 noise, 16 kv heads of 128; untied), on BASE's
 # fields: the publisher's tensors of this config.json hold 12,703,860,896 parameters (`source_shapes`)
 REAL_12_7B = dict(vocab_size=219520, hidden_size=4096, intermediate_size=16384, num_hidden_layers=40,
