@@ -107,7 +107,7 @@ class DiffAttentionBase(nn.Module):
         """Values derived from the loaded weights, computed once."""
 
 
-class DiffV1Attention(DiffAttentionBase):
+class DiffAttention(DiffAttentionBase):
     """Differential attention (paper §2.1): both branches in one call over h + g padded query heads; with grouped
     noise heads (g < h) each noise map is computed once and subtracted in every head of its group."""
 
@@ -220,7 +220,7 @@ def build_attention(*, widths: dict[str, int], config, prefix: str, cache_config
     kind = config.attention_types[extract_layer_index(prefix)]
     if kind == "standard":
         return DiffStandardAttention(config, prefix, cache_config, quant_config, widths[kind])
-    attention = DiffV2Attention if config.diff_version == 2 else DiffV1Attention
+    attention = DiffV2Attention if config.diff_version == 2 else DiffAttention
     return attention(config, prefix, cache_config, quant_config, widths[kind])
 
 
