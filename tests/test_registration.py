@@ -1,13 +1,12 @@
 """The package's entries in other libraries' tables: made by importing it, the same again after a second
-registration, made by a saved folder's own code without the package, and all made in one module
-(`diff_transformer/registration.py`), which lists the two made elsewhere."""
+registration, and all made in one module (`diff_transformer/registration.py`), which lists the two made elsewhere.
+A saved folder's own code makes them without the package (tests/test_modeling.py, the remote-code test)."""
 
 import ast
 import re
 from pathlib import Path
 
 import peft.peft_model as peft_model
-import torch
 import transformers
 from peft.utils import constants
 from transformers import AutoConfig
@@ -16,13 +15,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import diff_transformer
-from diff_transformer import DiffConfig, DiffForCausalLM, modeling_diff, registration
+from diff_transformer import DiffConfig, modeling_diff, registration
 from diff_transformer.attention_kernels import diff_flash_standard_attention
 from diff_transformer.diff_tensor_parallel import DiffColwiseParallel, DiffReplicatedParallel
 from diff_transformer.folder_defaults import AUTO_MODEL_CLASSES
 from diff_transformer.peft_defaults import LORA_TARGET_MODULES, prefix_cache
-from helpers import tiny_config
-from helpers.without_package import run_without_package
 
 PACKAGE = Path(diff_transformer.__file__).parent
 REGISTERING = {"register", "register_model", "register_for_auto_class"}  # methods that add to another library's table
@@ -114,23 +111,3 @@ def test_registration_lists_the_vllm_entry_point():
     entry = re.search(r'"vllm.general_plugins": \["diff_transformer = ([\w.:]+)"\]', setup)
     assert entry, "setup.py has no vllm.general_plugins entry point"
     assert entry[1] in (PACKAGE / "registration.py").read_text(), f"registration.py does not list {entry[1]}"
-
-
-def test_saved_folder_code_registers_without_the_package(tmp_path):
-    """A folder's own copy of the model code, loaded with trust_remote_code=True where the package cannot be
-    imported, makes the model code's entries (the `diff_flash` backend, TP styles, peft's LoRA targets)."""
-    torch.manual_seed(0)
-    DiffForCausalLM(tiny_config()).save_pretrained(tmp_path / "model")
-    output = run_without_package(f"""
-        from transformers import AutoModelForCausalLM
-        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from peft.utils import constants
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True)
-        print("module", type(model).__module__.split(".")[0])
-        print("attention", ALL_ATTENTION_FUNCTIONS["diff_flash"].__module__.split(".")[0])
-        print("styles", sorted(name for name in ALL_PARALLEL_STYLES if name.startswith("diff_")))
-        print("lora", constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["diff_transformer"][:2])
-    """, tmp_path)
-    assert "module transformers_modules" in output and "attention transformers_modules" in output, output
-    assert "styles ['diff_colwise', 'diff_replicated']" in output and "lora ['q_proj', 'k_proj']" in output, output
