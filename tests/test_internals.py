@@ -73,6 +73,12 @@ def test_rope_validation_logs_through_its_module_logger():
     assert "must be a float or int >= 1" in source and "Missing required keys" in source
 
 
+def test_serve_keeps_its_generation_state():
+    """`transformers serve`'s command keeps its generation thread's state here; transformers_serve.py shuts it down."""
+    serve = pytest.importorskip("transformers.cli.serve", reason="transformers' serving extra is not installed")
+    assert "self._generation_state = " in inspect.getsource(serve)
+
+
 def test_attention_registry_lists_its_keys():
     """`unknown_backend` (attention_kernels.py) asks the registry for its names rather than reading error text."""
     assert {"sdpa", "flex_attention"} <= set(ALL_ATTENTION_FUNCTIONS.valid_keys())
