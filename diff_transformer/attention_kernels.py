@@ -19,7 +19,6 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 from transformers.utils import is_torchdynamo_compiling
@@ -235,8 +234,9 @@ def capture_branch_attentions(model: torch.nn.Module) -> Iterator[list[tuple[tor
 
 def diff_flash_standard_attention(module: torch.nn.Module, *args, **kwargs):
     """What `diff_flash` runs in layers without V1 differential attention (DIFF V2, standard layers of a hybrid
-    stack): sdpa. Registered under our name so that transformers accepts `attn_implementation="diff_flash"`; any
-    other model that asks for it gets this error instead of a silent substitute."""
+    stack): sdpa. Registered under our name (registration.py) so that transformers accepts
+    `attn_implementation="diff_flash"`; any other model that asks for it gets this error instead of a silent
+    substitute."""
     if getattr(getattr(module, "config", None), "model_type", None) != DiffConfig.model_type:
         raise ValueError(
             f"attn_implementation='{DIFF_FLASH}' is the Differential Transformer's fused kernel and has no "
@@ -245,8 +245,12 @@ def diff_flash_standard_attention(module: torch.nn.Module, *args, **kwargs):
     return sdpa_attention_forward(module, *args, **kwargs)
 
 
-ALL_ATTENTION_FUNCTIONS.register(DIFF_FLASH, diff_flash_standard_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_FLASH, sdpa_mask)
+def unknown_backend(name: str | None) -> bool:
+    """Whether transformers has no attention function called `name`: neither `eager` nor a key of its registry
+    (`ALL_ATTENTION_FUNCTIONS`, ours included), with or without the `paged|` prefix, nor a Hub kernel's repository
+    name (`org/repo`, which transformers fetches and judges)."""
+    known = {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+    return name is not None and "/" not in name and name.removeprefix("paged|") not in known
 
 
 class DiffFlashBackend:
@@ -261,8 +265,9 @@ class DiffFlashBackend:
             return attn_implementation
         try:
             return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
-        except ValueError as error:  # transformers' list of its backends, which lacks ours
-            if "not supported" not in str(error) or DIFF_FLASH in str(error):
+        except ValueError as error:
+            if not unknown_backend(attn_implementation):  # a backend transformers knows, refused for its own reason
                 raise
+            # transformers' error lists its own backends, which lack ours
             raise ValueError(f"{error} The DIFF Transformer adds `attn_implementation=\"{DIFF_FLASH}\"` (its fused "
                              "Triton kernel).") from None

@@ -1,6 +1,7 @@
 """Tensor parallelism that keeps each differential head on one rank (`tp_plan="auto"`).
 
-Two parallel styles, registered with transformers under the names the plans of `configuration_diff.py` use:
+Two parallel styles (`PARALLEL_STYLES`), registered with transformers by registration.py under the names the plans of
+`configuration_diff.py` use:
 
 - `diff_colwise`: a V1 differential layer's `q_proj` and `k_proj` rows are [branch-1 sub-heads | branch-2 sub-heads],
   and transformers' `colwise` would give rank 0 of 2 every branch-1 row and rank 1 every branch-2 row, so no rank could
@@ -20,6 +21,7 @@ from torch import nn
 BRANCH_HALVES = "branch_halves"  # set on a Linear whose output rows are [branch-1 | branch-2]
 DIFF_COLWISE = "diff_colwise"
 DIFF_REPLICATED = "diff_replicated"
+PARALLEL_STYLES: dict = {}  # name -> style, registered with transformers by registration.py (empty without distributed)
 
 
 def branch_halves_rank_major(rows: torch.Tensor, ranks: int, first: int | None = None) -> torch.Tensor:
@@ -108,5 +110,4 @@ if torch.distributed.is_available():
             module.forward = tp_forward
             return module
 
-    ALL_PARALLEL_STYLES.register(DIFF_COLWISE, DiffColwiseParallel())
-    ALL_PARALLEL_STYLES.register(DIFF_REPLICATED, DiffReplicatedParallel())
+    PARALLEL_STYLES.update({DIFF_COLWISE: DiffColwiseParallel(), DIFF_REPLICATED: DiffReplicatedParallel()})

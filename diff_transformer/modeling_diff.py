@@ -35,7 +35,6 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.auto import AutoModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -58,10 +57,10 @@ from .folder_defaults import SavedFolderMixin, callers_length
 from .input_checks import CACHE_KWARG, check_cache_argument, check_token_ids, embedding_rows
 from .kernel_common import upcast
 from .paged_cache import PAGED_EAGER, ContinuousBatchingMixin, PagedLayerCache, is_paged, paged_update
-from .peft_defaults import register_peft_defaults
 from .poly_norm import PolyNorm, build_mlp
+from .registration import register_backbone, register_model_code
 
-register_peft_defaults()  # with the model code, so LoraConfig() needs no target_modules under trust_remote_code too
+register_model_code()  # here, so that a folder loaded with trust_remote_code (no package) makes the entries too
 
 
 class SubLN(LlamaRMSNorm):
@@ -333,10 +332,10 @@ class DiffTaskHead:
     `AutoModel.from_config(config)`: AutoModel finds DiffModel by the config's class. A folder loaded with
     trust_remote_code=True imports configuration_diff.py twice (alone for AutoConfig, beside this file for the model
     code), so `config` may be of a DiffConfig class no Auto class knows, and the package may not be imported at all;
-    the head registers it for DiffModel first."""
+    the head registers it for DiffModel first (`register_backbone`, listed in registration.py)."""
 
     def __init__(self, config: DiffConfig):
-        AutoModel.register(type(config), DiffModel, exist_ok=True)
+        register_backbone(type(config), DiffModel)
         super().__init__(config)
 
 

@@ -251,7 +251,8 @@ def test_save_load_bit_identical_and_auto_classes(tmp_path):
 
 
 def test_remote_code_loads_without_package(tmp_path):
-    """Logits and cached greedy tokens of the Hub copy equal the package's, under the installed transformers."""
+    """Logits and cached greedy tokens of the Hub copy equal the package's, under the installed transformers; the
+    copy's own code registers the `diff_flash` backend, the TP styles and peft's defaults."""
     model = build_model()
     batch = torch.randint(3, 97, (1, 8))
     with torch.no_grad():
@@ -274,6 +275,14 @@ def test_remote_code_loads_without_package(tmp_path):
         assert diff == 0.0, f"max abs diff {{diff}}"
         generated = model.generate(expected["batch"], max_new_tokens=12, do_sample=False)
         assert torch.equal(generated, expected["generated"]), (generated, expected["generated"])
+        # the folder's own registration.py made the model code's entries (no package to make them)
+        from peft.utils import constants
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        where = ALL_ATTENTION_FUNCTIONS["diff_flash"].__module__
+        assert where.startswith("transformers_modules") and where.endswith(".attention_kernels"), where
+        assert {{"diff_colwise", "diff_replicated"}} <= set(ALL_PARALLEL_STYLES), sorted(ALL_PARALLEL_STYLES)
+        assert constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["diff_transformer"][0] == "q_proj"
         print("REMOTE_OK", type(model).__name__)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}

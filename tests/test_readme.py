@@ -12,6 +12,8 @@ Each block needs an entry in BLOCKS, and each docs page an entry in PAGES, so a 
 untested. Relative links between the pages must point at files that exist.
 """
 
+import ast
+import functools
 import os
 import random
 import re
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Reading order.
 PAGES = ("README.md", "docs/backends.md", "docs/ecosystem.md", "docs/export.md", "docs/conversion.md",
          "docs/evaluation.md", "docs/troubleshooting.md", "docs/versions.md", "docs/serving.md", "docs/design.md",
-         "docs/kernels.md", "docs/unilm.md")
+         "docs/kernels.md", "docs/unilm.md", "docs/contributing.md")
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP = "skip: "
 # A text that identifies each block -> how it is tested: "fast" (default run), "slow", "gpu", "isolated" (slow, in a
@@ -262,6 +264,66 @@ def test_relative_links_resolve():
             if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
                 broken.append(f"{page}: {target}")
     assert not broken, f"links to files or headings that do not exist: {broken}"
+
+
+CITED = re.compile(r"`([^`\s]+)`")
+# A cited name: a path (a / or a file suffix), a test node id (path::test), or a function or attribute written
+# `name()` or `Owner.name`; other code spans (options, values, markers) are not names.
+CITED_PATH = re.compile(r"^[\w.-]*(?:/[\w.-]*)+$|^[\w-]+\.(?:py|md|txt|json|toml)$")
+CITED_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(\(\))?$")
+# where a bare file name may live
+NAME_HOMES = ("", "diff_transformer", "diff_transformer/tools", "diff_transformer/serving", "tests", ".ci")
+# pages whose every cited path, test and function must exist (the maintainer's page, the versions page's table)
+CITING_PAGES = ("docs/contributing.md", "docs/versions.md")
+
+
+@functools.cache
+def project_definitions() -> frozenset[str]:
+    """Every name the project's Python files define: functions, classes, and assigned names (also in classes)."""
+    names = set()
+    for path in [*ROOT.glob("*.py"), *(ROOT / "diff_transformer").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return frozenset(names)
+
+
+def missing_citation(token: str) -> str | None:
+    """Why `token`, cited in a docs page, names nothing in the project (None: it exists, or is not a name)."""
+    path, _, test = token.partition("::")
+    if test:
+        file = ROOT / path
+        if not file.is_file() or not re.search(rf"^\s*def {re.escape(test)}\(", file.read_text(), re.MULTILINE):
+            return f"no test {test} in {path}"
+        return None
+    if CITED_PATH.match(token):
+        if any((ROOT / home / token.rstrip("/")).exists() for home in NAME_HOMES):
+            return None
+        return f"no file {token}"
+    name = CITED_NAME.match(token)
+    if name and (name[2] or "." in token) and name[1] not in project_definitions():
+        return f"nothing defines {name[1]}"
+    return None
+
+
+@pytest.mark.parametrize("page", CITING_PAGES)
+def test_cited_files_tests_and_functions_exist(page):
+    text = FENCE.sub("", (ROOT / page).read_text(encoding="utf-8"))
+    cited = [token for token in CITED.findall(text) if "::" in token or page == "docs/contributing.md"]
+    missing = [f"`{token}`: {why}" for token in cited if (why := missing_citation(token))]
+    assert not missing, f"{page} cites what does not exist: {missing}"
+
+
+def test_citation_check_sees_what_is_missing():
+    assert missing_citation("tests/test_layers.py::test_no_upward_imports") is None
+    assert missing_citation("tests/test_layers.py::test_gone") == "no test test_gone in tests/test_layers.py"
+    assert missing_citation("attention_kernels.py") is None and missing_citation("gone.py") == "no file gone.py"
+    assert missing_citation("select_kernel()") is None and missing_citation("DiffConfig.layer_cache()") is None
+    assert missing_citation("gone_function()") == "nothing defines gone_function"
+    assert missing_citation("--dist") is None  # not a name
 
 
 def test_blocks_that_cannot_run_here_say_why_and_where_they_are_covered():

@@ -252,7 +252,7 @@ def test_the_folder_ships_the_model_code(folder):
 @pytest.mark.parametrize("name", ["modeling_diff.py", "configuration_diff.py", "kernel_tiled.py",
                                   "kernel_diff_flash.py", "diff_tensor_parallel.py", "peft_defaults.py",
                                   "folder_defaults.py", "paged_cache.py", "kernel_tiles.py", "diff_lambda.py",
-                                  "poly_norm.py", "input_checks.py", "decoder_layers.py"])
+                                  "poly_norm.py", "input_checks.py", "decoder_layers.py", "registration.py"])
 def test_shipped_file_names_only_what_the_folder_holds(folder, name):
     text = shipped_code(folder)[name]
     present = {path.name for path in folder.iterdir()}
