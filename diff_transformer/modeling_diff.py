@@ -49,7 +49,8 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import TransformersKwargs
 
 from .attention_kernels import DiffFlashBackend, diff_attention, eager_v2_attention
-from .configuration_diff import DiffConfig, unvalidated_copy
+from .config_checks import unvalidated_copy
+from .configuration_diff import DiffConfig
 from .decoder_layers import DecoderLayers
 from .diff_lambda import DiffLambda, frozen_lambdas
 from .diff_tensor_parallel import BRANCH_HALVES, check_tp_size

@@ -25,7 +25,7 @@ from transformers import ContinuousBatchingConfig, PreTrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from .configuration_diff import unvalidated_copy
+from .config_checks import unvalidated_copy
 
 PAGED_EAGER = "paged|eager"  # transformers' eager backend on the paged cache; the DIFF layers run their eager kernels
 BATCHING_BACKENDS = ("sdpa", "eager", PAGED_EAGER)  # the backends whose DIFF kernels read a packed batch's mask

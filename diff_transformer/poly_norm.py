@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from .configuration_diff import POLY_NORM, DiffConfig, unvalidated_copy
+from .config_checks import unvalidated_copy
+from .configuration_diff import POLY_NORM, DiffConfig
 from .kernel_common import upcast
 
 POLY_NORM_EPS = 1e-6  # PolyNorm's epsilon in Motif-2 (and arXiv 2411.03884)

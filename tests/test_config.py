@@ -22,7 +22,7 @@ import pytest
 from helpers import tiny_config
 from transformers import AutoConfig, LlamaConfig
 
-from diff_transformer import DiffConfig, configuration_diff, saved_folder
+from diff_transformer import DiffConfig, config_checks, configuration_diff, saved_folder
 
 SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 # A worker that cannot import diff_transformer: the class it unpickles must have come by value.
@@ -53,9 +53,9 @@ def test_module_state_pickles():
 
 def test_class_pickles_by_value():
     """vLLM registers the whole package of a remote-code folder's modules by value: the configuration module and
-    the sibling it imports (saved_folder.py) travel together."""
+    the siblings it imports (config_checks.py, saved_folder.py) travel together."""
     cloudpickle = pytest.importorskip("cloudpickle")
-    modules = (configuration_diff, saved_folder)
+    modules = (configuration_diff, config_checks, saved_folder)
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
