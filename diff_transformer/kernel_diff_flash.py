@@ -344,6 +344,7 @@ LAUNCH_OPTIONS = dict(default_dot_input_precision="ieee")
 # Under TRITON_INTERPRET=1: the compute capability whose tiles the interpreter runs (e.g. 90), to test the shapes a
 # GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
 INTERPRETER_TARGET: int | None = None
+_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}  # the dtypes of the tile table's keys
 
 def _dims_supported(head_dim: int, value_dim: int) -> bool:
     return head_dim in _HEAD_DIMS and value_dim in (head_dim, 2 * head_dim)
@@ -360,7 +361,7 @@ def tile_config(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype |
     or 2d."""
     if not _dims_supported(head_dim, value_dim):
         return None
-    name = "fp32" if str(dtype).removeprefix("torch.") == "float32" else "fp16"
+    name = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
     tiles = TILES.get((TARGET_TILES.get(target), name, head_dim, value_dim, kernel))
     return None if tiles is None else tiles[masked]
 
