@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         target, where = args.target, "CPU under TRITON_INTERPRET=1 (a rehearsal: times mean nothing)"
         kernels.INTERPRETER_TARGET = target
-    family, name = family_of(target), "fp32" if args.dtype == "fp32" else "fp16"
+    family, name = family_of(target), args.dtype  # the tile table keys each dtype apart
     lookups = kernel_fit.candidates_by_lookup(kernel_fit.rows_to_pick(kernel_fit.read_record()))
     dtype = bench.DTYPES[args.dtype]
     print(f"\ndevice: {where}; tiles of sm_{family}; {args.dtype}; batch {args.batch}; seq {args.seq}; causal; "

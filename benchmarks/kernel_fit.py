@@ -23,6 +23,8 @@ candidates it holds (`candidates_text`). `--challengers` compiles the tiles one 
     nice -n 10 python benchmarks/kernel_fit.py --challengers --targets 90 --head-dims 128 --dtypes fp16 --jobs 1 \\
         --record --write                                           # their challengers, then a fresh pick
     python benchmarks/kernel_fit.py --sweep --record --write       # every candidate: ~49k compiles, hours on 2 cores
+    nice -n 15 python benchmarks/kernel_fit.py --same-tiles-as fp16 --dtypes bf16 --record --write
+                                            # fp16's candidates in bf16 (under each Triton release fp16's were)
     python benchmarks/kernel_fit.py --write                        # regenerate the tile table from the record
 
 Exit status 1 when a row fails (a candidate of --sweep or --challengers may fail: the rule filters it out).
@@ -30,6 +32,7 @@ TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
 """
 
 import argparse
+import ast
 import contextlib
 import hashlib
 import io
@@ -68,7 +71,8 @@ FLOOR_TRITON = "3.6.0"  # the Triton release of the supported floor (torch 2.11 
 REGISTER_GOAL = 240  # registers per thread a tile should stay within (ptxas caps at 255, then spills)
 SWEEP = dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), warps=(4, 8), stages=(1, 2, 3))
 RULE = f"""\
-The rule that chose each tile, among the candidate tiles compiled for every target of its family:
+The rule that chose each tile, among the candidate tiles compiled for every target of its family in its dtype
+(bf16 apart from fp16: a tile that fits in one may not fit in the other):
 1. a candidate qualifies when it compiles in every masking mode the kernel runs without a mask (causal; decode,
    T = 1, for the forward; MHA for dK/dV), needs no more shared memory than the target has and spills no register;
 2. of those, the first by: wgmma in every product (sm_90 only), at most {REGISTER_GOAL} registers per thread, the
@@ -190,6 +194,42 @@ def sweep_variants(targets, head_dims, dtypes, value_dims) -> list[Variant]:
     return [variant for tile in tiles for variant in variants(targets, head_dims, dtypes, value_dims, tile)]
 
 
+def recorded_tile_variants(source: str, targets, head_dims, dtypes, value_dims) -> list[Variant]:
+    """`--same-tiles-as`: every candidate the record holds for dtype `source` (kernel, target, dims, mode, tile) in
+    each of `dtypes`, that the record does not hold yet. Read from the rows of the installed Triton's list: `rows`,
+    or `floor_rows` under FLOOR_TRITON, so that a dtype's candidates are compiled under each release its source's
+    were."""
+    import triton
+
+    record = read_record()
+    floor = triton.__version__ == FLOOR_TRITON != record["triton"]
+    rows = record["floor_rows" if floor else "rows"]
+    held = {row_key(row) for row in rows}
+    todo = [Variant(row["kernel"], row["target"], row["head_dim"], row["value_dim"], dtype, row["mode"],
+                    _candidate(row))
+            for row in rows for dtype in dtypes
+            if row["dtype"] == source and row["target"] in targets and row["head_dim"] in head_dims
+            and row["value_dim"] // row["head_dim"] in value_dims]
+    return [variant for variant in dict.fromkeys(todo) if _variant_key(variant) not in held]
+
+
+def _variant_key(variant: Variant) -> tuple:
+    block_m, block_n, warps, stages = variant.tile
+    return row_key(dict(asdict(variant), tile=f"{block_m}x{block_n}", warps=warps, stages=stages))
+
+
+def run_recording(todo: list[Variant], record: bool, chunk: int = 24) -> list[dict]:
+    """Compile `todo` one at a time, merging each `chunk` of rows into the record as it comes when `record` (an
+    interrupted run keeps what it compiled; `--same-tiles-as` then resumes where it stopped)."""
+    rows = []
+    for start in range(0, len(todo), chunk):
+        rows += run(todo[start:start + chunk], 1)
+        if record:
+            write_record(rows[start:])
+        print(f"{len(rows)} of {len(todo)} compiled", file=sys.stderr, flush=True)
+    return rows
+
+
 def challengers(tile: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
     """The SWEEP tiles one step ahead of `tile` in RULE's order of size, depth and warps: twice BLOCK_M, twice
     BLOCK_N, one more pipeline stage, 8 warps for 4. Where none of them qualifies, `tile` is the best of its
@@ -258,9 +298,18 @@ def row_key(row: dict) -> tuple:
                                         "stages"))
 
 
-def kernel_sha256() -> str:
-    """The kernels' source, as the record names it: a record of another source is stale."""
-    return hashlib.sha256(Path(kernels.__file__).read_bytes()).hexdigest()
+def kernel_sha256(path: Path | None = None) -> str:
+    """What the compiles depend on in kernel_diff_flash.py (or `path`), as the record names it: the source of every
+    @triton.jit function and of LAUNCH_OPTIONS, in file order. A record of another source is stale; the rest of
+    the file (the tile lookup, the launcher) compiles nothing and may change without a new record."""
+    source = (path or Path(kernels.__file__)).read_text()
+
+    def compiled(node: ast.stmt) -> bool:
+        if isinstance(node, ast.FunctionDef):
+            return any(ast.unparse(decorator) == "triton.jit" for decorator in node.decorator_list)
+        return isinstance(node, ast.Assign) and any(ast.unparse(t) == "LAUNCH_OPTIONS" for t in node.targets)
+    parts = [ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source)) if compiled(node)]
+    return hashlib.sha256("\n\n".join(parts).encode()).hexdigest()
 
 
 def read_record(path: Path = RECORD) -> dict:
@@ -428,8 +477,9 @@ MODULE = '''"""Tiles of the fused Triton kernel (kernel_diff_flash.py) per GPU t
 Generated from the project's recorded ahead-of-time compile results by `kernel_fit --write`; do not edit by hand.
 
 TILES[(target, dtype, d, dv, kernel)] = (tile, tile under a padding mask); a tile is (BLOCK_M, BLOCK_N, num_warps,
-num_stages); kernel is "fwd", "dq" or "dkdv"; "fp16" stands for bf16 too. TARGET_TILES maps a compute capability to
-the target whose tiles it runs. Combinations absent have no tile: the model runs standard attention for them.
+num_stages); kernel is "fwd", "dq" or "dkdv"; dtype is "fp16", "bf16" or "fp32", each picked from its own compiles.
+TARGET_TILES maps a compute capability to the target whose tiles it runs. Combinations absent have no tile: the
+model runs standard attention for them, with a warning.
 
 {rule}
 
@@ -478,7 +528,7 @@ def render_docs(table: dict, rows: list[dict], triton_version: str | None, candi
         mma = sorted({part for row in used for part in row["mma"].split(" + ")})
         cells = " | ".join(_cell(table[(family, dtype, d, dv, kernel)]) for kernel in KERNELS)
         lines.append(f"| {', '.join(f'sm_{t}' for t in FAMILIES[family])} | {d} / {dv} | "
-                     f"{'fp16, bf16' if dtype == 'fp16' else dtype} | {cells} | "
+                     f"{dtype} | {cells} | "
                      f"{max(row['registers'] for row in used)} | "
                      f"{max(row['shared'] for row in used) / 1024:.0f} | {', '.join(mma)} |")
     return "\n".join([*lines, "", DOCS_END])
@@ -521,13 +571,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute capabilities")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), choices=HEAD_DIMS)
     parser.add_argument("--value-dims", nargs="+", default=["d", "2d"], choices=["d", "2d"])
-    parser.add_argument("--dtypes", nargs="+", default=["fp16", "fp32"], choices=DTYPES,
-                        help="fp16 stands for bf16 too: their figures are identical (see RESULTS.md)")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                        help="each has tiles of its own: bf16 is compiled and picked apart from fp16")
     parser.add_argument("--tile", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
                         help="compile this tile instead of the shipped ones")
     parser.add_argument("--sweep", action="store_true", help="compile every candidate tile of SWEEP instead")
     parser.add_argument("--challengers", action="store_true",
                         help="compile the challengers of the shipped tiles instead (see `challengers`)")
+    parser.add_argument("--same-tiles-as", choices=DTYPES, metavar="DTYPE",
+                        help="compile, in each of --dtypes, every candidate tile the record holds for DTYPE and not "
+                             "yet for them (one process; with --record, merged as it goes)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--record", action="store_true", help=f"merge the rows into {RECORD.relative_to(ROOT)}")
@@ -535,14 +588,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"pick the tiles from the record by the rule, write {TILES_MODULE.relative_to(ROOT)} "
                              f"and the table of {DOCS.relative_to(ROOT)}; alone it compiles nothing")
     args = parser.parse_args(argv)
-    if sum(map(bool, (args.sweep, args.challengers, args.tile))) > 1:
-        parser.error("--sweep, --challengers and --tile each choose the tiles to compile: give one")
-    if args.write and not (args.record or args.sweep or args.challengers):
+    if sum(map(bool, (args.sweep, args.challengers, args.tile, args.same_tiles_as))) > 1:
+        parser.error("--sweep, --challengers, --tile and --same-tiles-as each choose the tiles to compile: give one")
+    if args.write and not (args.record or args.sweep or args.challengers or args.same_tiles_as):
         write_tables(read_record())
         return 0
     start = time.perf_counter()
     value_dims = [{"d": 1, "2d": 2}[v] for v in args.value_dims]
-    if args.challengers:
+    if args.same_tiles_as:
+        rows = run_recording(recorded_tile_variants(args.same_tiles_as, args.targets, args.head_dims, args.dtypes,
+                                                    value_dims), args.record)
+    elif args.challengers:
         rows = run_challengers(challenger_variants(args.targets, args.head_dims, args.dtypes, value_dims),
                                args.record)
     elif args.sweep:
@@ -554,15 +610,16 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     failed = [r for r in rows if r["error"]]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled, fit and do not spill "
-          f"({time.perf_counter() - start:.0f} s, {args.jobs} processes)")
+          f"({time.perf_counter() - start:.0f} s, {1 if args.challengers or args.same_tiles_as else args.jobs} "
+          "processes)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=1)
-    if args.record and not args.challengers:  # run_challengers records each row as it comes
+    if args.record and not (args.challengers or args.same_tiles_as):  # those record each row as it comes
         write_record(rows)
     if args.write:
         write_tables(read_record())
-    return 1 if failed and not (args.sweep or args.challengers) else 0
+    return 1 if failed and not (args.sweep or args.challengers or args.same_tiles_as) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,9 +31,12 @@ from .kernel_tiled import tiled_diff_attention, tiled_is_faster
 from .paged_cache import PAGED_EAGER
 
 try:
-    from .kernel_diff_flash import diff_flash_attention, triton_available, unfit_reason
+    from .kernel_diff_flash import TileDoesNotFit, diff_flash_attention, triton_available, unfit_reason
 except ImportError:  # the Hub copy may lack the kernel file's optional dependencies
     diff_flash_attention = None
+
+    class TileDoesNotFit(RuntimeError):
+        """Never raised here: without its module the fused kernel does not run."""
 
     def triton_available() -> tuple[bool, str]:
         return False, "the diff_flash kernel module could not be imported; use attn_implementation='sdpa'"
@@ -162,14 +165,14 @@ GROUPED_KERNELS = ("eager", "standard_calls", "tiled")
 def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
     torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
-    or a GPU that `diff_flash` has no tile for make the standard calls too, with a warning."""
+    or a GPU that `diff_flash` has no tile for (in the inputs' dtype), or whose launch failed for lack of shared
+    memory, make the standard calls too, with a warning."""
     if implementation == PAGED_EAGER:  # transformers' eager on continuous batching's paged cache
         implementation = "eager"
     if implementation == DIFF_FLASH:
         reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
         if reason:
-            warnings.warn(f"{DIFF_FLASH} cannot run {reason}; these layers make two standard attention "
-                          "calls instead", stacklevel=2)
+            warn_unfit(reason)
             return "standard_calls"
     if implementation in ("eager", DIFF_FLASH):
         return implementation
@@ -185,7 +188,25 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
 def diff_attention(module, q, k, v, lam, attention_mask, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The differential heads of a V1 layer under its model's backend: `select_kernel`'s kernel, called."""
     name = select_kernel(module.config._attn_implementation, q, k, v)
-    return run_kernel(name, module, q, k, v, lam, attention_mask, scaling, **kwargs)
+    return run_selected(name, module, q, k, v, lam, attention_mask, scaling, **kwargs)
+
+
+def warn_unfit(reason: str) -> None:
+    """The warning of layers that make the standard calls where `diff_flash` was asked for; one text per reason, so
+    Python shows it once."""
+    warnings.warn(f"{DIFF_FLASH} cannot run {reason}; these layers make two standard attention calls instead",
+                  stacklevel=3)
+
+
+def run_selected(name: str, module, q, k, v, lam, attention_mask, scaling, **kwargs):
+    """`run_kernel`; where a `diff_flash` launch finds that its tile does not fit this GPU (TileDoesNotFit: a GPU or
+    Triton release the ahead-of-time fit check did not cover), the standard calls instead, with a warning, and
+    `select_kernel` routes later calls there."""
+    try:
+        return run_kernel(name, module, q, k, v, lam, attention_mask, scaling, **kwargs)
+    except TileDoesNotFit as error:
+        warn_unfit(str(error))
+        return run_kernel("standard_calls", module, q, k, v, lam, attention_mask, scaling, **kwargs)
 
 
 def run_kernel(name: str, module, q, k, v, lam, attention_mask, scaling, **kwargs):

@@ -35,8 +35,11 @@ A fully masked query row gives output 0 and zero gradients.
 Tiles: each kernel has a tile (BLOCK_M, BLOCK_N, warps, stages) per GPU target, head dims and dtype (`tile_config`
 reads the generated table of kernel_tiles.py), chosen to fit the target's shared memory without spilling registers;
 the dK/dV kernel computes its tiles key-major so that BLOCK_N is the M dimension of all its products (wgmma on sm_90
-needs M >= 64). `unfit_reason` says when inputs have no tile on a device, so that the caller can run standard
-attention instead.
+needs M >= 64); bf16 has tiles of its own (a tile that fits in fp16 may not in bf16). `unfit_reason` says when
+inputs have no tile on a device, or a launch of theirs failed for lack of shared memory or registers (Triton's
+OutOfResources, raised as TileDoesNotFit: a GPU or Triton release the tiles were not checked for), so that the caller
+can run standard attention instead; a backward whose launch fails takes that step's gradients from the float64
+reference (kernel_naive.py).
 
 Set TRITON_INTERPRET=1 before importing this module (and triton) to run the kernels on CPU: slow, for tests.
 
@@ -47,11 +50,13 @@ interpreter on CPU, but not yet timed on the devices; GPUs newer than sm_90 run 
 import functools
 import math
 import os
+import warnings
 
 import torch
 from torch import Tensor
 
 from .kernel_common import split_branches
+from .kernel_naive import naive_diff_attention
 from .kernel_tiles import TARGET_TILES, TILES, Tile
 
 try:
@@ -345,6 +350,17 @@ LAUNCH_OPTIONS = dict(default_dot_input_precision="ieee")
 # GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
 INTERPRETER_TARGET: int | None = None
 
+_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}  # the dtypes of the tile table's keys
+# Inputs (device, dtype, d, dv) whose launch failed for lack of shared memory or registers in this process: a GPU or
+# Triton release the tiles were not fit-checked for. `unfit_reason` names them, so later calls run standard attention.
+_LAUNCH_FAILURES: dict[tuple[str, torch.dtype, int, int], str] = {}
+
+
+class TileDoesNotFit(RuntimeError):
+    """A diff_flash kernel's launch failed for lack of shared memory or registers (Triton's OutOfResources); the
+    message says what ran where and why, as `unfit_reason` does from then on."""
+
+
 def _dims_supported(head_dim: int, value_dim: int) -> bool:
     return head_dim in _HEAD_DIMS and value_dim in (head_dim, 2 * head_dim)
 
@@ -360,7 +376,7 @@ def tile_config(kernel: str, head_dim: int, value_dim: int, dtype: torch.dtype |
     or 2d."""
     if not _dims_supported(head_dim, value_dim):
         return None
-    name = "fp32" if str(dtype).removeprefix("torch.") == "float32" else "fp16"
+    name = _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
     tiles = TILES.get((TARGET_TILES.get(target), name, head_dim, value_dim, kernel))
     return None if tiles is None else tiles[masked]
 
@@ -394,11 +410,43 @@ def unfit_reason(head_dim: int, value_dim: int, dtype: torch.dtype, device: torc
     inputs to standard attention instead of letting Triton fail for lack of shared memory mid-training."""
     if not _dims_supported(head_dim, value_dim):
         return _dims_reason(head_dim, value_dim)
+    if failed := _LAUNCH_FAILURES.get((str(device), dtype, head_dim, value_dim)):  # see `_failure_key`
+        return failed
     runs_here = triton is not None and (_INTERPRET or device.type == "cuda")  # else the kernel says why it can't
     if not runs_here or all(_tiles(kernel, head_dim, value_dim, dtype, device) for kernel in KERNELS):
         return ""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"the sm_{INTERPRETER_TARGET} tiles"
     return f"{dtype} at d={head_dim}, dv={value_dim} on {name}: no tile fits its shared memory and registers"
+
+
+def _failure_key(like: Tensor, head_dim: int, value_dim: int) -> tuple[str, torch.dtype, int, int]:
+    return str(like.device), like.dtype, head_dim, value_dim
+
+
+def _launch(kernel: str, jit_fn, grid: tuple[int, int], like: Tensor, head_dim: int, value_dim: int, *args,
+            **options) -> None:
+    """`jit_fn[grid](*args, **options)`. Triton's OutOfResources (the tile needs more shared memory or registers than
+    this GPU has) is remembered for these inputs (`unfit_reason`) and raised as TileDoesNotFit."""
+    try:
+        jit_fn[grid](*args, **options)
+    except triton.runtime.errors.OutOfResources as error:
+        name = torch.cuda.get_device_name(like.device) if like.device.type == "cuda" else "the Triton interpreter"
+        reason = (f"{like.dtype} at d={head_dim}, dv={value_dim} on {name}: the {kernel} kernel's launch failed "
+                  f"({str(error).split('. ')[0]})")
+        _LAUNCH_FAILURES[_failure_key(like, head_dim, value_dim)] = reason
+        raise TileDoesNotFit(reason) from error
+
+
+def _recomputed_grads(q: Tensor, k: Tensor, v: Tensor, lam32: Tensor, scaling: float, causal: bool,
+                      mask: Tensor | None, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dlam) through the float64 reference (`naive_diff_attention`, T x S memory per head), for a
+    backward whose kernel could not launch: the forward already ran, so the gradients cannot move to the standard
+    calls; later calls do (`unfit_reason`)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, lam32)]
+        out = naive_diff_attention(*leaves, scaling, causal, mask)  # [B, T, h, dv] float64
+        grads = torch.autograd.grad(out, leaves, grad_out.transpose(1, 2).double())
+    return tuple(grad.to(t.dtype) for grad, t in zip(grads, (q, k, v, lam32)))
 
 
 def _checked_tiles(kernel: str, head_dim: int, value_dim: int, like: Tensor, masked: bool) -> Tile:
@@ -458,13 +506,12 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
         o2 = torch.empty_like(out)
         lse1 = torch.empty(B, h, T, dtype=torch.float32, device=q1.device)
         lse2 = torch.empty_like(lse1)
-        _diff_attn_fwd[(triton.cdiv(T, block_m), B * h)](
-            q1, q2, k1, k2, v, lam32, mask_t, out, o2, lse1, lse2,
-            *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
-            h, T, S, h // h_kv, scaling * math.log2(math.e),
-            HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
-            num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
-        )
+        _launch("forward", _diff_attn_fwd, (triton.cdiv(T, block_m), B * h), q1, d, dv,
+                q1, q2, k1, k2, v, lam32, mask_t, out, o2, lse1, lse2,
+                *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
+                h, T, S, h // h_kv, scaling * math.log2(math.e),
+                HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
+                num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS)
         ctx.save_for_backward(q, k, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
         return out
@@ -472,39 +519,53 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, lam32, mask, out, o2, lse1, lse2 = ctx.saved_tensors
-        q1, q2, k1, k2 = split_branches(q, k)
-        B, h, T, d = q1.shape
-        _, h_kv, S, dv = v.shape
-        do = grad_out.to(q1.dtype)
-        # D_b = rowsum(dO * O_b) with O1 = out + lam * O2 (only out and O2 are kept from the forward).
-        delta2 = (do.float() * o2.float()).sum(-1)
-        delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
-        grad_lam = -delta2.sum()
-        mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-        common = dict(HEAD_DIM=d, V_DIM=dv, CAUSAL=ctx.causal, HAS_MASK=has_mask, **LAUNCH_OPTIONS)
-        strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
-        qk_scale = ctx.scaling * math.log2(math.e)
-
-        dq1 = torch.empty(B, h, T, d, dtype=q1.dtype, device=q1.device)
-        dq2 = torch.empty_like(dq1)
-        block_m, block_n, warps, stages = _checked_tiles("dq", d, dv, q1, has_mask)
-        _diff_attn_bwd_dq[(triton.cdiv(T, block_m), B * h)](
-            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dq1, dq2,
-            *strides, h, T, S, h // h_kv, qk_scale, ctx.scaling,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
-        )
-        dk1 = torch.empty(B, h_kv, S, d, dtype=k1.dtype, device=k1.device)
-        dk2 = torch.empty_like(dk1)
-        grad_v = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
-        block_m, block_n, warps, stages = _checked_tiles("dkdv", d, dv, q1, has_mask)
-        _diff_attn_bwd_dkdv[(triton.cdiv(S, block_n), B * h_kv)](
-            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, grad_v,
-            *strides, h, h_kv, T, S, h // h_kv, qk_scale, ctx.scaling,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
-        )
-        dq = torch.cat([dq1, dq2], dim=1)  # [B, 2h, T, d], halves order
-        dk = torch.cat([dk1, dk2], dim=-1)  # [B, h_kv, S, 2d] = (k1 | k2)
+        failed = _LAUNCH_FAILURES.get(_failure_key(q, q.shape[-1], v.shape[-1]))  # by an earlier layer's backward
+        if not failed:
+            try:
+                dq, dk, grad_v, grad_lam = _kernel_grads(q, k, v, lam32, mask, out, o2, lse1, lse2, grad_out,
+                                                         ctx.scaling, ctx.causal)
+            except TileDoesNotFit as error:
+                failed = str(error)
+        if failed:
+            warnings.warn(f"diff_flash's backward cannot run {failed}; this step's gradients come from the float64 "
+                          "reference kernel, and later calls make two standard attention calls", stacklevel=2)
+            dq, dk, grad_v, grad_lam = _recomputed_grads(q, k, v, lam32, ctx.scaling, ctx.causal, mask, grad_out)
         return dq, dk, grad_v, grad_lam.to(ctx.lam_dtype).reshape(ctx.lam_shape), None, None, None
+
+
+def _kernel_grads(q, k, v, lam32, mask, out, o2, lse1, lse2, grad_out, scaling, causal) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dlam) of `DiffFlashAttentionFunction` by the dQ and dK/dV kernels, from what its forward saved."""
+    q1, q2, k1, k2 = split_branches(q, k)
+    B, h, T, d = q1.shape
+    _, h_kv, S, dv = v.shape
+    do = grad_out.to(q1.dtype)
+    # D_b = rowsum(dO * O_b) with O1 = out + lam * O2 (only out and O2 are kept from the forward).
+    delta2 = (do.float() * o2.float()).sum(-1)
+    delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
+    grad_lam = -delta2.sum()
+    mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
+    common = dict(HEAD_DIM=d, V_DIM=dv, CAUSAL=causal, HAS_MASK=has_mask, **LAUNCH_OPTIONS)
+    strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
+    qk_scale = scaling * math.log2(math.e)
+
+    dq1 = torch.empty(B, h, T, d, dtype=q1.dtype, device=q1.device)
+    dq2 = torch.empty_like(dq1)
+    block_m, block_n, warps, stages = _checked_tiles("dq", d, dv, q1, has_mask)
+    _launch("dQ", _diff_attn_bwd_dq, (triton.cdiv(T, block_m), B * h), q1, d, dv,
+            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dq1, dq2,
+            *strides, h, T, S, h // h_kv, qk_scale, scaling,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+    dk1 = torch.empty(B, h_kv, S, d, dtype=k1.dtype, device=k1.device)
+    dk2 = torch.empty_like(dk1)
+    grad_v = torch.empty(B, h_kv, S, dv, dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages = _checked_tiles("dkdv", d, dv, q1, has_mask)
+    _launch("dK/dV", _diff_attn_bwd_dkdv, (triton.cdiv(S, block_n), B * h_kv), q1, d, dv,
+            q1, q2, k1, k2, v, do, lam32, mask_t, lse1, lse2, delta1, delta2, dk1, dk2, grad_v,
+            *strides, h, h_kv, T, S, h // h_kv, qk_scale, scaling,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+    dq = torch.cat([dq1, dq2], dim=1)  # [B, 2h, T, d], halves order
+    dk = torch.cat([dk1, dk2], dim=-1)  # [B, h_kv, S, 2d] = (k1 | k2)
+    return dq, dk, grad_v, grad_lam
 
 
 def diff_flash_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, scaling: float, causal: bool = True,

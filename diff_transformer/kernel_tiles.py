@@ -3,10 +3,12 @@
 Generated from the project's recorded ahead-of-time compile results by `kernel_fit --write`; do not edit by hand.
 
 TILES[(target, dtype, d, dv, kernel)] = (tile, tile under a padding mask); a tile is (BLOCK_M, BLOCK_N, num_warps,
-num_stages); kernel is "fwd", "dq" or "dkdv"; "fp16" stands for bf16 too. TARGET_TILES maps a compute capability to
-the target whose tiles it runs. Combinations absent have no tile: the model runs standard attention for them.
+num_stages); kernel is "fwd", "dq" or "dkdv"; dtype is "fp16", "bf16" or "fp32", each picked from its own compiles.
+TARGET_TILES maps a compute capability to the target whose tiles it runs. Combinations absent have no tile: the
+model runs standard attention for them, with a warning.
 
-The rule that chose each tile, among the candidate tiles compiled for every target of its family:
+The rule that chose each tile, among the candidate tiles compiled for every target of its family in its dtype
+(bf16 apart from fp16: a tile that fits in one may not fit in the other):
 1. a candidate qualifies when it compiles in every masking mode the kernel runs without a mask (causal; decode,
    T = 1, for the forward; MHA for dK/dV), needs no more shared memory than the target has and spills no register;
 2. of those, the first by: wgmma in every product (sm_90 only), at most 240 registers per thread, the
@@ -18,17 +20,42 @@ where it qualifies there as well.
 
 Fit-checked ahead of time (shared memory, registers, spills, matmul instruction), not timed on a GPU.
 
-The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and for 30 of the
-144 lookups also the challengers of the pick, the tiles one step ahead in step 2's order (twice BLOCK_M, twice
-BLOCK_N, one more stage, 8 warps for 4): sm_80 fp16 d = 64, dv = 64 and 128; sm_80 fp16 d = 128, dv = 128;
-sm_86/sm_89 fp16 d = 128, dv = 128 and 256; sm_90 fp16 d = 64, dv = 64 and 128; sm_90 fp16 d = 128, dv = 128 and
-256. A pick that beats its challengers is the best of its neighbourhood, not of every tile: the full grid (96 tiles
-per lookup, about 49,000 compiles) is not recorded.
+The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and for 60 of the
+216 lookups also the challengers of the pick, the tiles one step ahead in step 2's order (twice BLOCK_M, twice
+BLOCK_N, one more stage, 8 warps for 4): sm_80 bf16 d = 64, dv = 64 and 128; sm_80 bf16 d = 128, dv = 128; sm_80
+fp16 d = 64, dv = 64 and 128; sm_80 fp16 d = 128, dv = 128; sm_86/sm_89 bf16 d = 128, dv = 128 and 256; sm_86/sm_89
+fp16 d = 128, dv = 128 and 256; sm_90 bf16 d = 64, dv = 64 and 128; sm_90 bf16 d = 128, dv = 128 and 256; sm_90 fp16
+d = 64, dv = 64 and 128; sm_90 fp16 d = 128, dv = 128 and 256. A pick that beats its challengers is the best of its
+neighbourhood, not of every tile: the full grid (96 tiles per lookup, about 49,000 compiles) is not recorded.
 """
 
 Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 TARGET_TILES = {80: 80, 86: 86, 89: 86, 90: 90}
 TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {
+    (80, "bf16", 16, 16, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (80, "bf16", 16, 16, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (80, "bf16", 16, 16, "dkdv"): ((64, 32, 8, 1), (64, 32, 8, 1)),
+    (80, "bf16", 16, 32, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 2)),
+    (80, "bf16", 16, 32, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (80, "bf16", 16, 32, "dkdv"): ((64, 32, 8, 1), (16, 64, 4, 3)),
+    (80, "bf16", 32, 32, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (80, "bf16", 32, 32, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (80, "bf16", 32, 32, "dkdv"): ((64, 32, 8, 1), (16, 64, 4, 3)),
+    (80, "bf16", 32, 64, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (80, "bf16", 32, 64, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (80, "bf16", 32, 64, "dkdv"): ((32, 32, 4, 1), (16, 64, 4, 3)),
+    (80, "bf16", 64, 64, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (80, "bf16", 64, 64, "dq"): ((128, 32, 8, 2), (128, 32, 8, 1)),
+    (80, "bf16", 64, 64, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 3)),
+    (80, "bf16", 64, 128, "fwd"): ((128, 32, 8, 3), (64, 128, 8, 3)),
+    (80, "bf16", 64, 128, "dq"): ((64, 32, 8, 3), (32, 32, 4, 3)),
+    (80, "bf16", 64, 128, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 1)),
+    (80, "bf16", 128, 128, "fwd"): ((32, 64, 8, 3), (32, 64, 8, 3)),
+    (80, "bf16", 128, 128, "dq"): ((64, 64, 8, 3), (64, 64, 8, 1)),
+    (80, "bf16", 128, 128, "dkdv"): ((64, 32, 8, 2), (64, 32, 8, 1)),
+    (80, "bf16", 128, 256, "fwd"): ((32, 128, 8, 1), (32, 128, 8, 1)),
+    (80, "bf16", 128, 256, "dq"): ((64, 32, 8, 1), (64, 32, 8, 1)),
+    (80, "bf16", 128, 256, "dkdv"): ((32, 32, 8, 2), (32, 32, 8, 2)),
     (80, "fp16", 16, 16, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
     (80, "fp16", 16, 16, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
     (80, "fp16", 16, 16, "dkdv"): ((64, 32, 8, 1), (64, 32, 8, 1)),
@@ -77,6 +104,30 @@ TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {
     (80, "fp32", 128, 256, "fwd"): ((32, 32, 8, 2), (32, 32, 8, 2)),
     (80, "fp32", 128, 256, "dq"): ((32, 32, 8, 2), (32, 32, 8, 2)),
     (80, "fp32", 128, 256, "dkdv"): ((16, 32, 8, 1), (16, 16, 8, 1)),
+    (86, "bf16", 16, 16, "fwd"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 16, 16, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 16, 16, "dkdv"): ((64, 32, 8, 1), (64, 32, 8, 1)),
+    (86, "bf16", 16, 32, "fwd"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 16, 32, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 16, 32, "dkdv"): ((16, 64, 4, 2), (16, 64, 4, 2)),
+    (86, "bf16", 32, 32, "fwd"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 32, 32, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 32, 32, "dkdv"): ((16, 64, 4, 2), (16, 64, 4, 2)),
+    (86, "bf16", 32, 64, "fwd"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 32, 64, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (86, "bf16", 32, 64, "dkdv"): ((16, 64, 4, 2), (16, 64, 8, 2)),
+    (86, "bf16", 64, 64, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (86, "bf16", 64, 64, "dq"): ((128, 32, 8, 2), (128, 32, 8, 1)),
+    (86, "bf16", 64, 64, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 3)),
+    (86, "bf16", 64, 128, "fwd"): ((128, 32, 8, 3), (64, 64, 8, 3)),
+    (86, "bf16", 64, 128, "dq"): ((128, 32, 8, 2), (32, 32, 4, 3)),
+    (86, "bf16", 64, 128, "dkdv"): ((64, 32, 8, 3), (64, 32, 8, 1)),
+    (86, "bf16", 128, 128, "fwd"): ((32, 64, 8, 2), (32, 64, 8, 2)),
+    (86, "bf16", 128, 128, "dq"): ((64, 64, 8, 1), (64, 64, 8, 1)),
+    (86, "bf16", 128, 128, "dkdv"): ((32, 64, 8, 1), (32, 64, 8, 1)),
+    (86, "bf16", 128, 256, "fwd"): ((32, 64, 8, 2), (32, 64, 8, 2)),
+    (86, "bf16", 128, 256, "dq"): ((64, 32, 8, 1), (64, 32, 8, 1)),
+    (86, "bf16", 128, 256, "dkdv"): ((32, 32, 8, 2), (32, 32, 8, 2)),
     (86, "fp16", 16, 16, "fwd"): ((128, 32, 8, 2), (128, 32, 8, 2)),
     (86, "fp16", 16, 16, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
     (86, "fp16", 16, 16, "dkdv"): ((64, 32, 8, 1), (64, 32, 8, 1)),
@@ -125,6 +176,30 @@ TILES: dict[tuple[int, str, int, int, str], tuple[Tile, Tile]] = {
     (86, "fp32", 128, 256, "fwd"): ((32, 32, 8, 1), (32, 32, 8, 1)),
     (86, "fp32", 128, 256, "dq"): ((16, 32, 4, 1), (16, 32, 4, 1)),
     (86, "fp32", 128, 256, "dkdv"): ((16, 16, 8, 1), (16, 16, 8, 1)),
+    (90, "bf16", 16, 16, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 16, 16, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 16, 16, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 3)),
+    (90, "bf16", 16, 32, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 16, 32, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 16, 32, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 3)),
+    (90, "bf16", 32, 32, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 32, 32, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 32, 32, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 2)),
+    (90, "bf16", 32, 64, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 32, 64, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 32, 64, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 3)),
+    (90, "bf16", 64, 64, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 64, 64, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 64, 64, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 1)),
+    (90, "bf16", 64, 128, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (90, "bf16", 64, 128, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
+    (90, "bf16", 64, 128, "dkdv"): ((16, 128, 8, 3), (16, 128, 8, 3)),
+    (90, "bf16", 128, 128, "fwd"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (90, "bf16", 128, 128, "dq"): ((128, 32, 8, 3), (128, 32, 8, 3)),
+    (90, "bf16", 128, 128, "dkdv"): ((16, 64, 8, 3), (16, 64, 8, 2)),
+    (90, "bf16", 128, 256, "fwd"): ((64, 32, 8, 3), (64, 32, 8, 3)),
+    (90, "bf16", 128, 256, "dq"): ((128, 32, 8, 2), (128, 32, 8, 2)),
+    (90, "bf16", 128, 256, "dkdv"): ((32, 32, 8, 2), (32, 32, 8, 2)),
     (90, "fp16", 16, 16, "fwd"): ((128, 64, 8, 3), (128, 64, 8, 3)),
     (90, "fp16", 16, 16, "dq"): ((128, 64, 8, 3), (128, 64, 8, 3)),
     (90, "fp16", 16, 16, "dkdv"): ((32, 128, 8, 3), (32, 128, 8, 3)),

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from .attention_kernels import DIFF_FLASH, DIFF_KERNELS, select_kernel
+from .attention_kernels import DIFF_FLASH, run_selected, select_kernel
 from .configuration_diff import lambda_init_fn  # the published module's name, importable from here as there
 from .diff_lambda import compute_lambda
 from .kernel_naive import naive_diff_attention
@@ -157,6 +157,6 @@ class MultiheadDiffAttn(nn.Module):
             out = naive_diff_attention(q, k, v, lam, self.scaling, mask=mask)  # [B, T, h, 2d]
         else:
             kernel = "tiled" if implementation == "tiled" else select_kernel(implementation, q, k, v)
-            out, _ = DIFF_KERNELS[kernel](self, q, k, v, lam, mask, self.scaling)  # [B, T, h, 2d] fp32
+            out, _ = run_selected(kernel, self, q, k, v, lam, mask, self.scaling)  # [B, T, h, 2d] fp32
         out = self.subln(out) * (1 - self.lambda_init)
         return self.out_proj(out.to(x.dtype).reshape(batch, length, -1))

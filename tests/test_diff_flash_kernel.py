@@ -6,6 +6,7 @@ because it is slow. `test_gpu_tiles_match_reference` runs the paper's head dims 
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -16,12 +17,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytest.importorskip("triton")
 
+from helpers import assert_close, build_stack  # noqa: E402
 from helpers.kernel_cases import (Case, check_against_reference, empty_rows, leaves, padding_mask,  # noqa: E402
                                   seeded_randn)
 
 import diff_transformer.kernel_diff_flash as kernels  # noqa: E402
 from diff_transformer.kernel_diff_flash import diff_flash_attention, triton_available  # noqa: E402
+from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel  # noqa: E402
 from diff_transformer.kernel_naive import naive_diff_attention  # noqa: E402
+from diff_transformer.kernel_tiles import TILES  # noqa: E402
 
 _ok, _reason = triton_available()
 if not _ok:
@@ -102,3 +106,77 @@ def test_rejects_unpacked_keys():
     with pytest.raises(ValueError, match=r"expected \[B, h_kv, S, 2d\]"):
         diff_flash_attention(q, k, torch.zeros(1, 2, 8, 32, device=DEVICE), torch.tensor(0.5, device=DEVICE),
                              scaling=0.25)
+
+
+@pytest.fixture
+def launch_failures(monkeypatch):
+    """A fresh memory of failed launches (kernel_diff_flash._LAUNCH_FAILURES), so that no other test inherits one."""
+    monkeypatch.setattr(kernels, "_LAUNCH_FAILURES", {})
+    return kernels._LAUNCH_FAILURES
+
+
+def test_a_lookup_without_a_tile_in_its_dtype_makes_the_standard_calls(monkeypatch, launch_failures):
+    """bf16 is looked up under its own key: with sm_80's bf16 tiles gone from the table (fp16's still there), bf16
+    inputs are routed to the standard calls with a warning naming the dtype and dims, fp16 ones still run
+    diff_flash, and with the table as shipped bf16 runs diff_flash too."""
+    if torch.cuda.is_available():
+        pytest.skip("simulates a GPU through the interpreter's target")
+    monkeypatch.setattr(kernels, "INTERPRETER_TARGET", 80)
+    q, k, v = torch.empty(1, 4, 8, 64), torch.empty(1, 1, 8, 128), torch.empty(1, 1, 8, 128)
+    bf16 = [t.bfloat16() for t in (q, k, v)]
+    assert select_kernel(DIFF_FLASH, *bf16) == DIFF_FLASH
+    monkeypatch.setattr(kernels, "TILES", {key: tiles for key, tiles in TILES.items() if key[:2] != (80, "bf16")})
+    with pytest.warns(UserWarning, match=r"diff_flash cannot run torch.bfloat16 at d=64, dv=128 on the sm_80 tiles: "
+                                         r"no tile fits.*standard attention calls"):
+        assert select_kernel(DIFF_FLASH, *bf16) == "standard_calls"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_kernel(DIFF_FLASH, *(t.half() for t in (q, k, v))) == DIFF_FLASH
+
+
+class OutOfResourcesAtLaunch:
+    """Stands in for one of the Triton kernels (`kernel[grid](...)`): every launch raises Triton's OutOfResources, as
+    a launch on a GPU without the tile's shared memory does. A CPU has no such limit, so the failure is planted."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            raise kernels.triton.runtime.errors.OutOfResources(180224, 166912, "shared memory")
+        return launch
+
+
+@pytest.mark.parametrize("kernel", ["_diff_attn_fwd", "_diff_attn_bwd_dq", "_diff_attn_bwd_dkdv"])
+def test_a_launch_without_the_resources_falls_back(kernel, monkeypatch, launch_failures):
+    """A launch that fails for lack of shared memory (Triton's OutOfResources, planted by monkeypatching the kernel's
+    launcher: no GPU here) does not crash training: a failed forward makes that layer's standard calls, a failed
+    backward takes that step's gradients from the float64 reference; one warning names the kernel and the shortfall;
+    every later call makes the standard calls (the kernel is launched once). Logits and gradients equal eager's
+    (TOLERANCES["backend"], fp32)."""
+    failing = OutOfResourcesAtLaunch()
+    monkeypatch.setattr(kernels, kernel, failing)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_stack(DIFF_FLASH, "V1-GQA").to(device)
+    reference = build_stack("eager", "V1-GQA").to(device)
+    tokens = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(3)).to(device)
+    with pytest.warns(UserWarning, match=r"cannot run torch.float32 at d=\d+, dv=\d+ on .*: the .* kernel's launch "
+                                         r"failed \(out of resource: shared memory, Required: 180224") as caught:
+        for _ in range(2):
+            logits = model(tokens).logits
+            logits.square().mean().backward()
+    assert failing.launches == 1
+    assert len({str(w.message) for w in caught}) <= 2  # the backward's own, then the layers' routing
+    expected = reference(tokens).logits
+    for _ in range(2):
+        reference(tokens).logits.square().mean().backward()
+    assert_close(logits, expected, torch.float32, f"{kernel} logits", "backend")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        grad, expected_grad = (getattr(m.model.layers[0].self_attn, name).weight.grad for m in (model, reference))
+        assert_close(grad, expected_grad, torch.float32, f"{kernel} {name} grad", "backend")
+    (where, dtype, d, dv), = launch_failures  # the inputs whose launch failed: routed to the standard calls since
+    q, k, v = (torch.zeros(1, heads, 4, width, dtype=dtype, device=where)
+               for heads, width in ((2, d), (1, 2 * d), (1, dv)))
+    with pytest.warns(UserWarning, match="launch failed"):
+        assert select_kernel(DIFF_FLASH, q, k, v) == "standard_calls"

@@ -96,7 +96,7 @@ def test_a_tile_in_place_is_the_tile_that_runs(monkeypatch):
         monkeypatch.setattr(kernels, "INTERPRETER_TARGET", 90)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     family = bench_tiles.family_of(90 if device.type == "cpu" else kernels.device_target(0))
-    key, other = (family, "fp16", 64, 128, "fwd"), (16, 16, 4, 1)
+    key, other = (family, "bf16", 64, 128, "fwd"), (16, 16, 4, 1)
     shipped = kernels.TILES[key]
     with bench_tiles.tile_in_place(key, other):
         assert kernels._tiles("fwd", 64, 128, torch.bfloat16, device) == other

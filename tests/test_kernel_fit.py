@@ -4,9 +4,10 @@ Every tile the kernel ships was compiled ahead of time for sm_80, sm_86, sm_89 a
 --record, in a process without TRITON_INTERPRET: minutes) into benchmarks/kernel_fit.json, and the tile table is
 generated from that record by the rule in its header (`kernel_fit.pick`), which picks among every candidate tile
 recorded, failed ones included. Here: the record is of the kernels' current source, a fresh pick from it is the
-shipped table, a better candidate that spills or overflows shared memory is never picked, the largest tiles compile
-to the recorded figures, and a combination without a tile is routed to the standard calls with one warning, its
-output equal to eager's.
+shipped table, every shipped tile fits in every masking mode in its own dtype (bf16 apart from fp16), a better
+candidate that spills or overflows shared memory is never picked, the largest tiles (and bf16's fullest, on sm_80)
+compile to the recorded figures, and a combination without a tile is routed to the standard calls with one warning,
+its output equal to eager's (tests/test_diff_flash_kernel.py: a dtype without a tile, a launch out of resources).
 """
 
 import difflib
@@ -50,20 +51,28 @@ def test_the_record_is_of_the_shipped_kernel_source():
 
 
 FIGURES = ("tile", "warps", "stages", "registers", "spill_bytes", "shared", "mma", "error")
+# The compile check's rows: (kernel_fit.py options, how many (target, dtype) pairs they compile in every kernel, mode)
+COMPILE_CHECKS = {
+    # the largest head dim (128, values of 2d: the most shared memory and registers), fp16 and fp32, on sm_86 (the
+    # least shared memory; sm_89 runs its tiles) and sm_90 (wgmma)
+    "largest": (("--targets", "86", "90", "--head-dims", "128", "--value-dims", "2d", "--dtypes", "fp16", "fp32"), 4),
+    # bf16 on sm_80 at d = 64, dv = 128: its masked forward (64x128 8w 3s) needs 160 of sm_80's 163 KiB
+    "bf16-sm80": (("--targets", "80", "--head-dims", "64", "--value-dims", "2d", "--dtypes", "bf16"), 1),
+}
 
 
 @pytest.mark.skipif(kernels.triton is None, reason="needs triton")
-def test_the_largest_shipped_tiles_compile_as_recorded(tmp_path):
-    """The record's figures are what the installed Triton makes of the shipped tiles: the largest head dim (128, and
-    values of 2d: the most shared memory and registers) in every kernel and mode, fp16 (bf16's figures are the same)
-    and fp32, on sm_86 (the least shared memory; sm_89 runs its tiles) and sm_90 (wgmma). Under the record's Triton
-    release every figure is equal; under another one each tile must still fit without spilling."""
-    rows, done = compile_rows(tmp_path, "--targets", "86", "90", "--head-dims", "128", "--value-dims", "2d",
-                              "--dtypes", "fp16", "fp32")
+@pytest.mark.parametrize("check", COMPILE_CHECKS)
+def test_the_largest_shipped_tiles_compile_as_recorded(tmp_path, check):
+    """The record's figures are what the installed Triton makes of the shipped tiles, in every kernel and mode, for
+    the rows of COMPILE_CHECKS. Under the record's Triton release every figure is equal; under another one each tile
+    must still fit without spilling."""
+    options, pairs = COMPILE_CHECKS[check]
+    rows, done = compile_rows(tmp_path, *options)
     failed = [row for row in rows if row["error"]]
     assert not failed, "tiles that do not fit:\n" + kernel_fit.table(failed)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(rows) == 2 * 2 * sum(len(modes) for modes in kernel_fit.MODES.values())
+    assert len(rows) == pairs * sum(len(modes) for modes in kernel_fit.MODES.values())
     record = kernel_fit.read_record()
     if record["triton"] != kernels.triton.__version__:
         return
@@ -94,7 +103,8 @@ def test_tile_table_lookup():
                 for dtype in (torch.float16, torch.bfloat16, torch.float32):
                     assert all(kernels.tile_config(kernel, d, dv, dtype, target) for kernel in kernel_fit.KERNELS)
     assert kernels.tile_config("fwd", 64, 128, torch.bfloat16, 89) == kernels.tile_config("fwd", 64, 128,
-                                                                                          torch.float16, 86)
+                                                                                          torch.bfloat16, 86)
+    assert kernels.tile_config("fwd", 64, 128, torch.bfloat16, 80) == TILES[(80, "bf16", 64, 128, "fwd")][0]
     assert kernels.tile_config("fwd", 64, 256, torch.float16, 90) is None  # dv = 4d
     assert kernels.tile_config("fwd", 96, 192, torch.float16, 90) is None  # d not a power of two
     assert kernels.tile_config("fwd", 64, 128, torch.float16, 75) is None  # no tiles for sm_75
@@ -151,7 +161,49 @@ def test_committed_tile_table_is_a_fresh_generation():
     assert kernel_fit.docs_with_table(docs, block) == docs, ("docs/kernels.md's tile table is not the generated one "
                                                             "(python benchmarks/kernel_fit.py --write):\n"
                                                             + _changes(docs, kernel_fit.docs_with_table(docs, block)))
-    assert len(table) == len(kernel_fit.FAMILIES) * 2 * len(kernel_fit.HEAD_DIMS) * 2 * len(kernel_fit.KERNELS)
+    assert len(table) == (len(kernel_fit.FAMILIES) * len(kernel_fit.DTYPES) * len(kernel_fit.HEAD_DIMS) * 2
+                          * len(kernel_fit.KERNELS))
+
+
+@pytest.mark.parametrize("dtype", kernel_fit.DTYPES)
+def test_every_shipped_tile_fits_in_every_mode_in_its_dtype(dtype):
+    """Read from the record's rows of the tile's own dtype (bf16 apart from fp16): every shipped tile compiled on
+    every target of its family in every masking mode it runs (the masked tile under the padding mask, the other in
+    the rest), within the target's shared memory and without a spill."""
+    recorded = {kernel_fit.row_key(row): row for row in kernel_fit.read_record()["rows"]}
+    missing, failed = [], []
+    for (family, kind, d, dv, kernel), tiles in TILES.items():
+        if kind != dtype:
+            continue
+        for target in kernel_fit.FAMILIES[family]:
+            for mode in kernel_fit.MODES[kernel]:
+                block_m, block_n, warps, stages = tiles[mode == "padmask"]
+                key = (kernel, target, d, dv, dtype, mode, f"{block_m}x{block_n}", warps, stages)
+                row = recorded.get(key)
+                (missing if row is None else failed if not kernel_fit.qualifies(row) else []).append(row or key)
+    assert sum(key[1] == dtype for key in TILES) == len(TILES) // len(kernel_fit.DTYPES)
+    assert not missing, f"shipped {dtype} tiles without a compile in the record: {missing[:5]}"
+    assert not failed, f"shipped {dtype} tiles that do not fit:\n" + kernel_fit.table(failed)
+
+
+def test_a_bf16_tile_that_overflows_is_not_picked_for_bf16_only():
+    """bf16 is picked from its own rows: the shipped bf16 masked forward of sm_80 at d = 64, dv = 128 recorded as
+    needing 176 KiB (more than sm_80's 163) is replaced for bf16 by the next qualifying candidate, while fp16, whose
+    rows are unchanged, keeps it."""
+    key = (80, "bf16", 64, 128, "fwd")
+    rows = kernel_fit.rows_to_pick(kernel_fit.read_record())
+    masked = TILES[key][1]
+    tile = "{}x{}".format(*masked[:2])
+
+    def overflow(row: dict) -> dict:
+        hit = (kernel_fit.lookup_key(row) == key and row["mode"] == "padmask"
+               and (row["tile"], row["warps"], row["stages"]) == (tile, *masked[2:]))
+        return row | dict(shared=180224) if hit else row
+    picked = kernel_fit.choose([overflow(row) for row in rows])
+    assert picked[key][0] == TILES[key][0] and picked[key][1] != masked
+    assert picked[(80, "fp16", 64, 128, "fwd")] == TILES[(80, "fp16", 64, 128, "fwd")]
+    replacement = kernel_fit.candidates_by_lookup(rows)[key][picked[key][1]][(80, "padmask")]
+    assert kernel_fit.qualifies(replacement), replacement
 
 
 def _rows(tile, target=90, kernel="fwd", modes=("causal", "decode", "padmask"), mma="wgmma", registers=200,
