@@ -381,9 +381,16 @@ def paper_small_study(root: Path) -> str:
         lines.append(f"| {init}{' (the default)' if init == module.PACKAGE_DEFAULT else ''} | " + " | ".join(
             f"{cell(finals[m])} ({found['lr'][init][m]:g})" for m in MODELS)
             + f" | {interval_cell(module, finals['DIFF'], finals['Transformer'])} |")
-    best = found["best_init"]
-    lines += ["", "Each family's best initialisation (lowest mean validation loss): " + ", ".join(
-        f"{'Llama' if m == 'Transformer' else m} `{best[m]}`" for m in MODELS) + "."]
+    best, run = found["best_init"], list(found["sweep"])
+    if len(run) > 1:
+        lines += ["", "Each family's best initialisation (lowest mean validation loss): " + ", ".join(
+            f"{'Llama' if m == 'Transformer' else m} `{best[m]}`" for m in MODELS) + "."]
+    missing = [init for init in module.INITS if init not in run]
+    if missing:
+        long = "" if any(r["task"] == "text-long" for r in found["rows"]) else " Nor the long run (`--long-steps 0`)."
+        lines += ["", f"Not run yet: {', '.join(f'`{i}`' for i in missing)} (the same command with `--inits` naming "
+                  "them), and so no family's best initialisation; the README quotes the study once it has more than "
+                  f"one.{long}"]
     return "\n".join(lines)
 
 
@@ -409,7 +416,7 @@ def readme_summary(root: Path) -> str:
     seeds = ", ".join(map(str, cfg["seeds"]))
     at = lambda init: f"`{init}`{' (the default)' if init == module.PACKAGE_DEFAULT else ''}"
     lines = [
-        *(study_summary(module, found) if (found := load_study(root, "text")) else []),
+        *(study_summary(module, found) if (found := load_study(root, "text")) and len(found["sweep"]) > 1 else []),
         f"- Small-scale reproduction (`benchmarks/paper_small.py`, {params[0] / 1e6:.2f}-{params[-1] / 1e6:.2f}M "
         f"parameters), all three families at Llama's initialisation ({at(module.BASE_INIT)}: DIFF's embeddings "
         "unscaled, not the package's default; one learning rate for all), mean ± sd over seeds:",

@@ -27,7 +27,9 @@ def summaries():
 
 def copy_tree(tmp_path: Path) -> Path:
     """The documents and the stored results, in a scratch root the test may change."""
-    stored = [*(ROOT / "benchmarks" / "paper_small").glob("*/results.json"), ROOT / "benchmarks" / "lm_scaling.py",
+    paper_small = ROOT / "benchmarks" / "paper_small"
+    stored = [*paper_small.glob("*/results.json"), *paper_small.glob("study/*/results.json"),
+              ROOT / "benchmarks" / "lm_scaling.py",
               ROOT / "benchmarks" / "lm_scaling" / "results.json"]
     for document in ("README.md", "docs/evaluation.md", "benchmarks/RESULTS.md"):
         (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
