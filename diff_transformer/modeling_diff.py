@@ -151,7 +151,7 @@ class DiffAttention(DifferentialAttentionBase):
     def attend(self, hidden_states, q, k, v, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(1 - lambda_init) SubLN((A1 - lambda A2) V) per head, [B, T, h, dv] fp32, by the backend's kernel."""
         out, attn_map = diff_attention(self, q, k, v, self.lambda_params(), attention_mask, self.scaling, **kwargs)
-        return self.subln(out) * self.output_scale, attn_map  # without SubLN: Identity, times 1
+        return (self.subln(out) * self.output_scale if self.use_subln else out), attn_map  # no copy without SubLN
 
 
 class DiffV2Attention(DifferentialAttentionBase):

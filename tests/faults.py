@@ -100,8 +100,8 @@ FAULTS = [
           "    k, v = k[:, :, 1:], v[:, :, 1:]\n"
           "    attention_mask = None if attention_mask is None else attention_mask[..., 1:]\n", DECODE),
     Fault("SubLN gain ignored", MODELING,
-          "return self.subln(out) * self.output_scale, attn_map",
-          "return self.subln(out) / self.subln.weight * self.output_scale, attn_map", LAYER),
+          "return (self.subln(out) * self.output_scale if",
+          "return (self.subln(out) / self.subln.weight * self.output_scale if", LAYER),
     Fault("(1 - lambda_init) scale dropped", MODELING,
           "return 1.0 - self.lambda_params.lambda_init if self.use_subln else 1.0",
           "return 1.0", LAYER),
