@@ -215,7 +215,7 @@ FAULTS = [
           'return name is not None and "/" not in name and name.removeprefix("paged|") not in known', "return False",
           ["tests/test_saved_folder.py::test_unknown_attention_names_diff_flash"]),
     Fault("vLLM GDA: noise map of the wrong group", VLLM_MODEL,
-          "noise.repeat_interleave(self.group, dim=2)", "noise.repeat(1, 1, self.group, 1)",
+          "noise = per_head(noise, self.group, dim=2)", "noise = noise.repeat(1, 1, self.group, 1)",
           ["tests/vllm_serving/test_vllm_serving.py::test_offline_generate_matches_transformers[v1_gda]"], "vllm"),
     Fault("vLLM TP: lambda from one rank's slice", VLLM_MODEL,
           "self.lam = compute_lambda(p.q1, p.k1, p.q2, p.k2, self.lambda_init)",

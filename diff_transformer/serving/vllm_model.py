@@ -40,6 +40,7 @@ from vllm.platforms import current_platform
 from ..diff_tensor_parallel import branch_halves_rank_major
 from ..configuration_diff import POLY_NORM
 from ..diff_lambda import compute_lambda
+from ..kernel_common import per_head
 from ..poly_norm import PolyNorm
 from .layout import check_servable, unexpected_weight
 
@@ -159,7 +160,7 @@ class DiffAttention(DiffAttentionBase):
         out = out.view(tokens, self.kv_heads, -1, w)[..., : self.dv].float()  # [T, h_kv, n_rep + noise_rep, dv]
         signal, noise = out.split([self.n_rep, self.noise_rep], dim=2)  # A1 V: [T, h_kv, n_rep, dv]; A2 V
         # noise head l of a kv head serves its signal heads l * group ... (l + 1) * group - 1
-        noise = noise.repeat_interleave(self.group, dim=2) if self.group > 1 else noise  # [T, h_kv, n_rep, dv]
+        noise = per_head(noise, self.group, dim=2)  # [T, h_kv, n_rep, dv]
         heads = torch.sub(signal, noise, alpha=self.lam)  # A1 V - lambda A2 V: [T, h_kv, n_rep, dv]
         if self.use_subln:  # RMSNorm per head over dv, gain times (1 - lambda_init), in fp32: vLLM's one-op kernel
             normed = torch.empty_like(heads)
