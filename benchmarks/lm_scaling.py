@@ -203,9 +203,10 @@ def validation_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
 
 
 def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor,
-              init: str = BASE_INIT) -> dict:
+              init: str = BASE_INIT, save_to: Path | None = None) -> dict:
     """One single-epoch run: AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), linear warm-up then linear decay to
-    0, batches drawn without replacement in the order of `seed`. Returns the curve and the seconds it took."""
+    0, batches drawn without replacement in the order of `seed`. Returns the curve and the seconds it took; with
+    `save_to`, the final model is saved there too (`save_model`)."""
     from transformers import get_linear_schedule_with_warmup
 
     model = build_model(name, cfg, seed, init)
@@ -228,7 +229,24 @@ def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: tor
                           "train_loss": float(np.mean(window)), "val_loss": validation_loss(model, val)})
             window = []
             print(f"  {name} ({init}) lr {lr:g} seed {seed}: {curve[-1]} ({time.monotonic() - start:.0f} s)", flush=True)
+    if save_to is not None:
+        save_model(model, init, save_to)
     return {"curve": curve, "seconds": round(time.monotonic() - start, 1)}
+
+
+def save_model(model: torch.nn.Module, init: str, folder: Path) -> None:
+    """`model` as a `from_pretrained` folder that computes what it computed here, written whole or not at all. The
+    forward part of `embed-sqrt` (a hook) becomes DIFF's `embedding_multiplier`; Llama has no such field, so a Llama
+    of that initialisation cannot be saved as a plain folder (nor DIFF-plus, whose sign flip is a hook)."""
+    from diff_transformer.tools.safe_write import staged_folder
+
+    if INITS[init]["embed_sqrt"]:
+        if not hasattr(model.config, "embedding_multiplier"):
+            raise ValueError(f"{type(model).__name__} has no embedding_multiplier: a model of initialisation {init} "
+                             "cannot be saved")
+        model.config.embedding_multiplier = math.sqrt(model.config.hidden_size)
+    with staged_folder(folder, replace=True) as staged:
+        model.save_pretrained(staged)
 
 
 def write_json(path: Path, value: dict) -> None:

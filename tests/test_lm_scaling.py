@@ -190,6 +190,33 @@ def test_initialisations_apply_alike_to_both_families():
             assert torch.equal(deep[key], value * factor), (name, key)
 
 
+@pytest.mark.parametrize("init", ["embed-sqrt", "embed-sqrt+out-depth", "out-depth"])
+def test_saved_model_computes_what_was_trained(init, tmp_path):
+    """`save_model` (what benchmarks/quantization.py --lm-scaling measures): a DIFF or Llama model of any init, loaded
+    by from_pretrained without the benchmark's hook, gives the trained model's logits; embed-sqrt becomes DIFF's
+    embedding_multiplier (once: a double or missing scale fails), and a Llama that would need it is refused."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = dict(lm_scaling.FULL, layers=2, hidden=32, head_dim=8, context=16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for name in ("DIFF", "Llama"):
+        model = lm_scaling.build_model(name, cfg, 0, init).eval()
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, 0.5)  # an embedding far from the init's, so scale shows
+            expected = model(ids).logits
+        if name == "Llama" and lm_scaling.INITS[init]["embed_sqrt"]:
+            with pytest.raises(ValueError, match="embedding_multiplier"):
+                lm_scaling.save_model(model, init, tmp_path / name)
+            assert not (tmp_path / name).exists()
+            continue
+        lm_scaling.save_model(model, init, tmp_path / name)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            got = loaded(ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name} {init}: {m}")
+
+
 def test_missing_corpus_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match=r"pip download --no-deps --no-binary :all: -d .* Django==5\.1\.4"):
         lm_scaling.corpus_archive(tmp_path, fetch=False)

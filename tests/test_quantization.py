@@ -1,5 +1,5 @@
-"""benchmarks/quantization.py: transformers' CPU quantization integrations (torchao, optimum-quanto) on tiny DIFF V1,
-V2, hybrid and Llama models saved as from_pretrained folders. Each method whose library is installed loads every
+"""benchmarks/quantization.py: transformers' CPU quantization integrations (torchao, optimum-quanto, bitsandbytes,
+llm-compressor saved and loaded again) on tiny DIFF V1, V2, hybrid and Llama models saved as from_pretrained folders. Each method whose library is installed loads every
 model or fails for DIFF exactly where it fails for Llama; where it loads, it replaces the Linear layers, keeps the
 held-out loss finite and near the unquantized one, and greedy generate runs. An absent library is skipped by name."""
 
@@ -21,9 +21,11 @@ LOSS_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[dict[str, Path], torch.Tensor]:
+def tiny(tmp_path_factory) -> tuple[dict[str, Path], torch.Tensor, torch.Tensor]:
+    """(folders, held-out ids, calibration ids)"""
     folders = quantization.save_tiny_models(tmp_path_factory.mktemp("tiny"))
-    return folders, torch.randint(0, quantization.TINY["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, quantization.TINY["vocab_size"], (12, 32), generator=torch.Generator().manual_seed(0))
+    return folders, ids[:4], ids[4:]
 
 
 @pytest.mark.slow
@@ -31,8 +33,8 @@ def tiny(tmp_path_factory) -> tuple[dict[str, Path], torch.Tensor]:
 def test_method_on_diff_v1_v2_hybrid_and_llama(method, tiny):
     if reason := quantization.missing_library(method):
         pytest.skip(reason)
-    folders, ids = tiny
-    results = {name: quantization.measure(folder, ids, [method]) for name, folder in folders.items()}
+    folders, ids, calibration = tiny
+    results = {name: quantization.measure(folder, ids, [method], calibration) for name, folder in folders.items()}
     llama_fails = "error" in results["Llama"][method]
     for name, found in results.items():
         result = found[method]
@@ -50,8 +52,8 @@ def test_method_on_diff_v1_v2_hybrid_and_llama(method, tiny):
 def test_an_absent_library_is_skipped_by_name(tiny, monkeypatch):
     monkeypatch.setitem(quantization.METHODS, "nothing", ("no_such_quantizer", "pip install no-such-quantizer",
                                                           lambda: None))
-    folders, ids = tiny
-    assert quantization.try_method(folders["DIFF V1"], "nothing", ids) == {
+    folders, ids, calibration = tiny
+    assert quantization.try_method(folders["DIFF V1"], "nothing", ids, calibration) == {
         "skipped": "no_such_quantizer not installed (`pip install no-such-quantizer`)"}
 
 
@@ -60,4 +62,27 @@ def test_command_without_models_names_the_choice(capsys):
         quantization.main([])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "give saved model folders (with --data) or --tiny, not both")
+        "give saved model folders (with --data), --tiny or --lm-scaling: one of them")
+
+
+@pytest.mark.slow
+def test_llm_compressor_w8a8_reloaded_quantizes_activations_per_token(tiny, tmp_path):
+    """The W8A8 folder llm-compressor saves, loaded again by transformers, computes each projection from int8 weights
+    (per output channel) and int8 activations (per token, dynamic): a DIFF q_proj's output equals an independent fake
+    quantization of its input, and differs from the unquantized input's by far more."""
+    if reason := quantization.missing_library("llm-compressor W8A8"):
+        pytest.skip(reason)
+    folders, _, calibration = tiny
+    model = quantization.quantized_model(folders["DIFF V1"], "llm-compressor W8A8", calibration, tmp_path)
+    projection, seen = model.model.layers[0].self_attn.q_proj, {}
+    projection.register_forward_hook(lambda module, args, out: seen.update(x=args[0], y=out, w=module.weight.clone()))
+    with torch.no_grad():
+        model(calibration[:2])
+    x, y, w = seen["x"], seen["y"], seen["w"]
+    steps = w / projection.weight_scale  # int8 weights: whole multiples of their channel's scale
+    assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max() <= 128
+    scale = x.abs().amax(-1, keepdim=True) / 127.5  # symmetric int8 over each token's features (compressed-tensors)
+    expected = torch.nn.functional.linear((x / scale).round().clamp(-128, 127) * scale, w)
+    unquantized = torch.nn.functional.linear(x, w)
+    error, effect = (y - expected).abs().max().item(), (y - unquantized).abs().max().item()
+    assert error < 1e-5 < effect / 100, f"max |y - int8-input reference| {error:.2e}, vs float input {effect:.2e}"
