@@ -982,11 +982,13 @@ STUDY_METRICS = {"text": [("val_loss", "validation loss", min)],
 
 
 def run_args(args: argparse.Namespace, init: str, lr: float, steps: int | None = None,
-             figures: bool = True) -> argparse.Namespace:
+             figures: bool = True, long: bool = False) -> argparse.Namespace:
     """A copy of `args` for one run of the study (of its task, args.tasks[0]): its initialisation, learning rate and,
-    for a sweep run, its step budget; `figures` False skips the §3.8 and attention figures (`measure`)."""
+    for a sweep run, its step budget; `figures` False skips the §3.8 and attention figures (`measure`). A text run
+    other than the `long` one reads no --long-steps: it is stored under 0, so the study's runs are the same with or
+    without its long run."""
     task = args.tasks[0]
-    budget = {"lr": lr} if task == "retrieval" else {"text_lr": lr}
+    budget = {"lr": lr} if task == "retrieval" else {"text_lr": lr, "long_steps": args.long_steps if long else 0}
     if steps is not None:
         budget |= {"steps": steps} if task == "retrieval" else {"text_steps": steps}
     return argparse.Namespace(**{**vars(args), **budget, "init": init, "figures": figures})
@@ -1022,8 +1024,8 @@ def study(args: argparse.Namespace) -> dict:
     best = {m: better(args.inits, key=lambda init: statistics.mean(
         r[field] for r in rows if r["model"] == m and r["init"] == init)) for m in args.models}
     if task == "text" and args.long_steps:
-        rows += run_rows([("text-long", m, args.seeds[0], args.long_steps, run_args(args, best[m], lrs[best[m]][m]))
-                          for m in args.models], args)
+        rows += run_rows([("text-long", m, args.seeds[0], args.long_steps,
+                           run_args(args, best[m], lrs[best[m]][m], long=True)) for m in args.models], args)
     return {"task": task, "grid": grid, "sweep_steps": sweep_steps, "sweep": sweep, "lr": lrs, "best_init": best,
             "sweep_seconds": sum(r["seconds"] for r in swept),
             "rows": [{k: v for k, v in r.items() if k != "figure"} for r in rows]}

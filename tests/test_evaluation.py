@@ -644,6 +644,15 @@ def test_paper_small_initialisation_and_rate_key_the_stored_runs(tmp_path):
     study = benchmark.parse_args(["--quick", "--output-dir", str(tmp_path), "--study", "--inits", "llama",
                                   "--lrs", "1e-3", "--sweep-fraction", "0.5"])
     assert path(study) == base
+    # a study's text runs are the same with or without its long run; the long run is keyed by its length
+    text = lambda a, task="text": benchmark.stored_path((task, "DIFF", 0, a.text_steps, a))
+    with_long, without = (benchmark.parse_args(["--quick", "--output-dir", str(tmp_path), "--study", "--tasks", "text",
+                                                "--long-steps", steps]) for steps in ("80", "0"))
+    assert text(benchmark.run_args(with_long, "embed-sqrt", 1e-3)) == text(benchmark.run_args(without, "embed-sqrt",
+                                                                                               1e-3))
+    long = lambda a: text(benchmark.run_args(a, "embed-sqrt", 1e-3, long=True), "text-long")
+    assert long(with_long) != long(benchmark.parse_args(["--quick", "--output-dir", str(tmp_path), "--study",
+                                                         "--tasks", "text", "--long-steps", "160"]))
 
 
 def study_row(model: str, init: str, seed: int, loss: float) -> dict:
