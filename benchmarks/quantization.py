@@ -65,7 +65,7 @@ METHODS: dict[str, tuple[str, str, Callable]] = {
 # Methods that quantize a model with calibration data and save it (compressed-tensors), loaded again to be measured.
 SAVED = ("llm-compressor W8A8", "llm-compressor GPTQ W4A16")
 GROUP_SIZE = 16  # GPTQ's groups: the widths here (96, 128, 256, 336) are multiples of 16, not all of 128
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=336, num_hidden_layers=2, num_attention_heads=2,
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=2,
             tie_word_embeddings=True)
 TINY_MODELS = {"DIFF V1": dict(), "DIFF V2": dict(diff_version=2, num_attention_heads=4),
                "DIFF hybrid": dict(attention_types=["differential", "standard"]), "Llama": None}
@@ -251,6 +251,30 @@ def lm_scaling_models(models_dir: Path, corpus_dir: Path, count: int) -> tuple[d
     return folders, val, train[:count], lines
 
 
+def paired_increase(results: dict[str, dict], methods: list[str]) -> str:
+    """Markdown: per method, DIFF's loss increase minus Llama's, seed by seed (the single-epoch benchmark pairs
+    seeds): mean ± sd and the 90% t interval of the mean, and what the interval says."""
+    lm_scaling = sibling("lm_scaling")
+    lines = ["| method | DIFF - Llama, loss increase (per seed) | mean ± sd | 90% interval | reading |",
+             "|---|---|---|---|---|"]
+    for method in methods:
+        increase = {family: [r[method]["loss"] - r["none"] for name, r in sorted(results.items())
+                             if name.split("-")[1] == family and "loss" in r[method]] for family in ("DIFF", "Llama")}
+        if not increase["DIFF"] and not increase["Llama"]:
+            lines.append(f"| {method} | - | - | - | fails (or skipped) on every model of both families |")
+            continue
+        if len(increase["DIFF"]) != len(increase["Llama"]) or len(increase["DIFF"]) < 2:
+            lines.append(f"| {method} | - | - | - | measured on some models only: see the table above |")
+            continue
+        gap = lm_scaling.paired(increase["DIFF"], increase["Llama"])
+        low, high = gap["t90"]
+        reading = ("no difference detectable at this scale" if low <= 0 <= high else
+                   "DIFF loses less" if high < 0 else "DIFF loses more")
+        lines.append(f"| {method} | {', '.join(f'{g:+.4f}' for g in gap['per_seed'])} | {gap['mean']:+.4f} ± "
+                     f"{gap['sd']:.4f} | [{low:+.4f}, {high:+.4f}] | {reading} |")
+    return "\n".join(lines)
+
+
 def text_blocks(folder: Path, data: Path, block: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(held-out, calibration): `data` cut as benchmarks/paper_small.py cuts it (the last 10% held out), with the
     folder's own tokenizer; the first `count` blocks of each part."""
@@ -298,10 +322,14 @@ def main(argv: list[str] | None = None) -> str:
             results = {name: measure(folder, val, args.methods, calibration) for name, folder in folders.items()}
             report = ("Each model retrained from its stored settings; its validation loss against the stored run's:\n\n"
                       + "\n".join(f"- {line}" for line in checks) + "\n\n" + table(results, args.methods)
-                      + "\n\nMean ± sd over the seeds of each family:\n\n" + mean_increase(results, args.methods))
+                      + "\n\nMean ± sd over the seeds of each family:\n\n" + mean_increase(results, args.methods)
+                      + "\n\nPaired by seed (same initialisation seed and batch order):\n\n"
+                      + paired_increase(results, args.methods))
         else:
-            results = {f.name.removesuffix(".model"): measure(f, *text_blocks(f, args.data, args.block, args.blocks),
-                                                              args.methods) for f in args.folders}
+            results = {}
+            for folder in args.folders:
+                held_out, calibration = text_blocks(folder, args.data, args.block, args.blocks)
+                results[folder.name.removesuffix(".model")] = measure(folder, held_out, args.methods, calibration)
             report = table(results, args.methods) + "\n\nMean ± sd over the saved models of each family:\n\n" + \
                 mean_increase(results, args.methods)
     print(report)
