@@ -1172,10 +1172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(then OUTPUT_DIR/<task>)")
     parser.add_argument("--inits", nargs="+", choices=lm_scaling.INITS, default=list(lm_scaling.INITS),
                         help="--study: the initialisations (default all)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3],
-                        help="--study: the learning rates swept on retrieval")
-    parser.add_argument("--text-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3],
-                        help="--study: the learning rates swept on text")
+    parser.add_argument("--lrs", type=float, nargs="+", default=lm_scaling.FULL["lrs"],
+                        help="--study: the learning rates swept on retrieval (default lm_scaling.py's grid)")
+    parser.add_argument("--text-lrs", type=float, nargs="+", default=lm_scaling.FULL["lrs"],
+                        help="--study: the learning rates swept on text (default lm_scaling.py's grid)")
     parser.add_argument("--sweep-fraction", type=float, default=0.25, help="--study: a sweep run's share of the budget")
     if parser.parse_known_args(argv)[0].quick:  # explicit flags still override the quick defaults
         parser.set_defaults(**QUICK)
