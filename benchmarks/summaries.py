@@ -386,12 +386,15 @@ def paper_small_study(root: Path) -> str:
         lines += ["", "Each family's best initialisation (lowest mean validation loss): " + ", ".join(
             f"{'Llama' if m == 'Transformer' else m} `{best[m]}`" for m in MODELS) + "."]
     missing = [init for init in module.INITS if init not in run]
+    notes = []
     if missing:
-        long = "" if any(r["task"] == "text-long" for r in found["rows"]) else " Nor the long run (`--long-steps 0`)."
-        lines += ["", f"Not run yet: {', '.join(f'`{i}`' for i in missing)} (the same command with `--inits` naming "
-                  "them), and so no family's best initialisation; the README quotes the study once it has more than "
-                  f"one.{long}"]
-    return "\n".join(lines)
+        notes.append(f"Not run yet: {', '.join(f'`{i}`' for i in missing)} (the same command with `--inits` naming "
+                     "them)" + ("" if len(run) > 1 else ", and so no family's best initialisation; the README quotes "
+                                "the study once it has more than one") + ".")
+    if not any(r["task"] == "text-long" for r in found["rows"]):
+        notes.append("The long run (`--long-steps`: each family at its best initialisation and rate, one seed) is not "
+                     "in it (`--long-steps 0`).")
+    return "\n".join(lines + (["", " ".join(notes)] if notes else []))
 
 
 def models_cell(runs: list[dict], get: Callable, digits: int = 3) -> str:
