@@ -30,6 +30,7 @@ call skips it, so a stopped sweep resumes (an unfinished run restarts from its b
 """
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -240,13 +241,16 @@ def save_model(model: torch.nn.Module, init: str, folder: Path) -> None:
     of that initialisation cannot be saved as a plain folder (nor DIFF-plus, whose sign flip is a hook)."""
     from diff_transformer.tools.safe_write import staged_folder
 
+    config = model.config
     if INITS[init]["embed_sqrt"]:
-        if not hasattr(model.config, "embedding_multiplier"):
+        if not hasattr(config, "embedding_multiplier"):
             raise ValueError(f"{type(model).__name__} has no embedding_multiplier: a model of initialisation {init} "
                              "cannot be saved")
-        model.config.embedding_multiplier = math.sqrt(model.config.hidden_size)
+        config = copy.deepcopy(config)  # the live model keeps its hook and its own config
+        config.embedding_multiplier = math.sqrt(config.hidden_size)
     with staged_folder(folder, replace=True) as staged:
         model.save_pretrained(staged)
+        config.save_pretrained(staged)  # the saved multiplier in place of the live model's 1.0
 
 
 def write_json(path: Path, value: dict) -> None:

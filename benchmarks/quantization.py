@@ -268,8 +268,7 @@ def paired_increase(results: dict[str, dict], methods: list[str]) -> str:
             continue
         gap = lm_scaling.paired(increase["DIFF"], increase["Llama"])
         low, high = gap["t90"]
-        reading = ("no difference detectable at this scale" if low <= 0 <= high else
-                   "DIFF loses less" if high < 0 else "DIFF loses more")
+        reading = lm_scaling.verdict(low <= 0 <= high, high < 0, "DIFF loses less", "DIFF loses more")
         lines.append(f"| {method} | {', '.join(f'{g:+.4f}' for g in gap['per_seed'])} | {gap['mean']:+.4f} ± "
                      f"{gap['sd']:.4f} | [{low:+.4f}, {high:+.4f}] | {reading} |")
     return "\n".join(lines)

@@ -210,6 +210,7 @@ def test_saved_model_computes_what_was_trained(init, tmp_path):
             assert not (tmp_path / name).exists()
             continue
         lm_scaling.save_model(model, init, tmp_path / name)
+        assert getattr(model.config, "embedding_multiplier", 1.0) == 1.0, "save_model changed the live model's config"
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
         with torch.no_grad():
             got = loaded(ids).logits
