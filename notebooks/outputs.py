@@ -4,7 +4,9 @@
     python notebooks/outputs.py --check    # execute again and compare with the stored outputs (what CI does)
 
 A notebook runs in a temporary working directory (its runs/ and PNG files land there), one thread, seeded in its
-first cell; what it writes to stderr (progress bars, library warnings) is neither stored nor compared. Stored and fresh outputs are compared cell by cell (`differences`): the same kinds of output; text equal
+first cell; what it writes to stderr (progress bars, library warnings) is neither stored nor compared, and adjacent
+stdout pieces count as one (the kernel sends a print in pieces when its flush timer fires mid-print, as on a loaded
+machine). Stored and fresh outputs are compared cell by cell (`differences`): the same kinds of output; text equal
 once numbers are taken out, and each number within NUMBER_TOLERANCE of the stored one (the notebooks train small
 models on the CPU, and another torch release may round a loss or an accuracy differently in its last digits); an
 image where the stored notebook has one, of the same size to within IMAGE_SIZE_TOLERANCE.
@@ -40,8 +42,21 @@ def execute(path: Path, workdir: Path) -> nbformat.NotebookNode:
                    resources={"metadata": {"path": str(workdir)}}).execute()
     for cell in notebook.cells:
         if cell.cell_type == "code":
-            cell.outputs = [o for o in cell.outputs if not (o["output_type"] == "stream" and o["name"] == "stderr")]
+            cell.outputs = joined_streams([o for o in cell.outputs
+                                           if not (o["output_type"] == "stream" and o["name"] == "stderr")])
     return notebook
+
+
+def joined_streams(outputs: list) -> list:
+    """`outputs` with each run of adjacent stdout streams joined into one."""
+    joined = []
+    for output in outputs:
+        if output["output_type"] == "stream" and joined and joined[-1]["output_type"] == "stream" \
+                and joined[-1]["name"] == output["name"]:
+            joined[-1] = nbformat.v4.new_output("stream", name=output["name"], text=joined[-1]["text"] + output["text"])
+        else:
+            joined.append(output)
+    return joined
 
 
 def output_text(output: dict) -> str:
@@ -76,11 +91,12 @@ def differences(stored: nbformat.NotebookNode, fresh: nbformat.NotebookNode) -> 
     problems = []
     code = lambda nb: [c for c in nb.cells if c.cell_type == "code"]
     for index, (old, new) in enumerate(zip(code(stored), code(fresh), strict=True)):
-        kinds = lambda cell: [(o["output_type"], png_size(o) is not None) for o in cell.outputs]
-        if kinds(old) != kinds(new):
-            problems.append(f"code cell {index}: outputs {kinds(old)} -> {kinds(new)}")
+        old_outputs, new_outputs = joined_streams(old.outputs), joined_streams(new.outputs)
+        kinds = lambda outs: [(o["output_type"], png_size(o) is not None) for o in outs]
+        if kinds(old_outputs) != kinds(new_outputs):
+            problems.append(f"code cell {index}: outputs {kinds(old_outputs)} -> {kinds(new_outputs)}")
             continue
-        for a, b in zip(old.outputs, new.outputs):
+        for a, b in zip(old_outputs, new_outputs):
             problems += [f"code cell {index}: {p}" for p in text_differences(output_text(a), output_text(b))]
             if (size := png_size(a)) and not all(abs(x - y) <= IMAGE_SIZE_TOLERANCE * x
                                                  for x, y in zip(size, png_size(b))):

@@ -54,3 +54,18 @@ def test_a_changed_number_or_text_is_caught():
     worded = nbformat.v4.new_notebook(cells=[cell(stream("loss 0.95 after 1.2 s\n"))])
     assert "text changed" in outputs.differences(stored, worded)[0]
     assert "outputs" in outputs.differences(stored, nbformat.v4.new_notebook(cells=[cell()]))[0]
+
+
+def test_a_print_the_kernel_sent_in_pieces_matches_its_stored_output():
+    """Under load the kernel's flush timer can split one print into two stdout messages: still the same output;
+    a piece that changed, or an image between the pieces, is still reported."""
+    cell = lambda *outs: nbformat.v4.new_code_cell("x", outputs=list(outs))
+    stream = lambda text: nbformat.v4.new_output("stream", name="stdout", text=text)
+    image = nbformat.v4.new_output("display_data", data={"text/plain": "<Figure>"})
+    stored = nbformat.v4.new_notebook(cells=[cell(stream("identical logits after reload: True\n"))])
+    split = nbformat.v4.new_notebook(cells=[cell(stream("identical logits "), stream("after reload: True\n"))])
+    assert outputs.differences(stored, split) == []
+    changed = nbformat.v4.new_notebook(cells=[cell(stream("identical logits "), stream("after reload: False\n"))])
+    assert "text changed" in outputs.differences(stored, changed)[0]
+    apart = nbformat.v4.new_notebook(cells=[cell(stream("identical logits "), image, stream("after reload: True\n"))])
+    assert "outputs" in outputs.differences(stored, apart)[0]
