@@ -376,7 +376,8 @@ def quantized_attention_logits(model, bits: int | None) -> Iterator[None]:
     originals = [(attention_kernels, "masked_scores", masked_scores)]
     originals += [(module, "eager_attention_forward", module.eager_attention_forward)
                   for module in (modeling_llama, modeling_diffllama)]
-    attention_kernels.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling), bits)
+    attention_kernels.masked_scores = lambda q, k, mask, scaling: quantize_visible(masked_scores(q, k, mask, scaling),
+                                                                                   bits)
     for module, name, original in originals[1:]:
         setattr(module, name, quantized_eager_attention(original, bits))
     try:
@@ -643,7 +644,8 @@ def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
 
 
 def has_saved_model(stored: Path) -> bool:
-    """Whether a stored run recorded its saved model; one stored before runs saved their model did not and is trained again."""
+    """Whether a stored run recorded its saved model; one stored before runs saved their model did not and is
+    trained again."""
     if "model_sha256" in torch.load(stored, weights_only=True):
         return True
     print(f"training {stored.name} again: it was stored before runs saved their model", flush=True)
@@ -1028,6 +1030,8 @@ def study(args: argparse.Namespace) -> dict:
                            run_args(args, best[m], lrs[best[m]][m], long=True)) for m in args.models], args)
     return {"task": task, "grid": grid, "sweep_steps": sweep_steps, "sweep": sweep, "lr": lrs, "best_init": best,
             "sweep_seconds": sum(r["seconds"] for r in swept),
+            "train_sequences": len(text_data(args)[1]) if task == "text" else None,
+            "batch": args.text_batch if task == "text" else args.batch,
             "rows": [{k: v for k, v in r.items() if k != "figure"} for r in rows]}
 
 
@@ -1094,10 +1098,27 @@ def study_report(found: dict, args: argparse.Namespace, command: str) -> str:
                   "training | step of the best |", "|---|---|---|---|---|---|"]
         lines += [f"| {SHOWN[r['model']]} | {r['init']} | {r['lr']:g} | {r['val_loss']:.3f} | {r['best_val_loss']:.3f}"
                   f" | {min(r['curve'], key=lambda p: p['val_loss'])['step']:,} |" for r in long]
+        lines += ["", long_run_reading(long, main, found["train_sequences"], found["batch"])]
     lines += ["", f"Run time, one process each on the CPU it ran on (no GPU figure): the {len(rows)} runs above "
               f"{sum(r['seconds'] for r in rows) / 3600:.2f} hours, the sweep runs {found['sweep_seconds'] / 3600:.2f} "
               "hours.", ""]
     return "\n".join(lines)
+
+
+def long_run_reading(long: list[dict], full: list[dict], sequences: int, batch: int) -> str:
+    """What the long run can say: how many passes over the training blocks it makes, where its validation loss was
+    lowest, and that one seed has no interval (the full runs' spread over seeds beside it)."""
+    passes = lambda steps: f"{steps * batch / sequences:.1f}"
+    lowest = sorted({min(r["curve"], key=lambda p: p["val_loss"])["step"] for r in long})
+    rose = sum(r["val_loss"] > r["best_val_loss"] for r in long)
+    sds = [lm_scaling.spread([r["val_loss"] for r in full if (r["model"], r["init"]) == key])["sd"]
+           for key in {(r["model"], r["init"]) for r in full}]
+    return (f"{long[0]['steps']:,} steps of {batch} blocks are {passes(long[0]['steps'])} passes over the "
+            f"{sequences:,} training blocks (the full runs' {full[0]['steps']:,} steps: {passes(full[0]['steps'])}). "
+            f"The validation loss was lowest at step {' / '.join(f'{s:,}' for s in lowest)} "
+            f"({' / '.join(passes(s) for s in lowest)} passes) and rose after it for {rose} of {len(long)} families: "
+            "past that point the long run measures overfitting to a small file. One seed: no interval (the full runs' "
+            f"sd over seeds is {min(sds):.3f} to {max(sds):.3f}).")
 
 
 def run_study(args: argparse.Namespace, command: str) -> str:

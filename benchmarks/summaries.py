@@ -391,10 +391,28 @@ def paper_small_study(root: Path) -> str:
         notes.append(f"Not run yet: {', '.join(f'`{i}`' for i in missing)} (the same command with `--inits` naming "
                      "them)" + ("" if len(run) > 1 else ", and so no family's best initialisation; the README quotes "
                                 "the study once it has more than one") + ".")
-    if not any(r["task"] == "text-long" for r in found["rows"]):
+    long = {r["model"]: r for r in found["rows"] if r["task"] == "text-long"}
+    if not long:
         notes.append("The long run (`--long-steps`: each family at its best initialisation and rate, one seed) is not "
                      "in it (`--long-steps 0`).")
+    else:
+        lines += ["", study_long_run(found, long)]
     return "\n".join(lines + (["", " ".join(notes)] if notes else []))
+
+
+def study_long_run(found: dict, long: dict) -> str:
+    """The study's long run in a sentence: each family's loss at the end and at its lowest, and where that was."""
+    run = next(iter(long.values()))
+    passes = run["steps"] * found["batch"] / found["train_sequences"]
+    names = [m for m in MODELS if m in long]
+    figures = lambda get: ", ".join(f"{'Llama' if m == 'Transformer' else m} {get(long[m]):.3f}" for m in names)
+    lowest = lambda r: min(r["curve"], key=lambda p: p["val_loss"])["step"]
+    return (f"The long run ({run['steps']:,} steps, {passes:.1f} passes over the training blocks, seed {run['seed']}, "
+            f"each family at its best initialisation and rate; one seed, so no interval): validation loss at the end "
+            f"{figures(lambda r: r['val_loss'])}; lowest along training {figures(lambda r: r['best_val_loss'])}, at "
+            f"step {' / '.join(f'{s:,}' for s in sorted({lowest(long[m]) for m in names}))}"
+            + (", and higher after it: the long run overfits the small file." if all(
+                long[m]["val_loss"] > long[m]["best_val_loss"] for m in names) else "."))
 
 
 def models_cell(runs: list[dict], get: Callable, digits: int = 3) -> str:

@@ -689,6 +689,24 @@ def test_paper_small_study_report_by_hand():
     assert "the 18 runs above 3.00 hours, the sweep runs 2.00 hours" in report
 
 
+def test_paper_small_long_run_reading_by_hand():
+    """The long run's line: passes over the training blocks (steps x batch / blocks), the step of the lowest loss,
+    how many families rose after it, and the full runs' sd over seeds beside a one-seed run."""
+    benchmark = load_paper_small()
+    curve = lambda *losses: [{"step": 400 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]
+    long = [{"model": "DIFF", "steps": 1200, "curve": curve(3.9, 3.6, 3.8), "val_loss": 3.8, "best_val_loss": 3.6},
+            {"model": "Transformer", "steps": 1200, "curve": curve(3.9, 3.7, 3.65), "val_loss": 3.65,
+             "best_val_loss": 3.65}]
+    full = [{**study_row("DIFF", "llama", s, v), "steps": 400} for s, v in enumerate((4.0, 4.1, 3.9))] + \
+           [{**study_row("Transformer", "llama", s, v), "steps": 400} for s, v in enumerate((3.6, 3.62, 3.58))]
+    line = benchmark.long_run_reading(long, full, sequences=800, batch=16)
+    # 1200 * 16 / 800 = 24.0 passes, 400 steps: 8.0; lowest at 800 (DIFF, 16.0 passes) and 1,200 (Llama, 24.0)
+    assert line.startswith("1,200 steps of 16 blocks are 24.0 passes over the 800 training blocks (the full runs' "
+                           "400 steps: 8.0). The validation loss was lowest at step 800 / 1,200 (16.0 / 24.0 passes) "
+                           "and rose after it for 1 of 2 families"), line
+    assert line.endswith("sd over seeds is 0.020 to 0.100)."), line
+
+
 @pytest.mark.slow
 def test_paper_small_study_end_to_end_and_resumed(tmp_path, monkeypatch):
     """--study at toy size: a sweep per family and initialisation, every seed at the swept best rate and

@@ -1,7 +1,8 @@
 """benchmarks/quantization.py: transformers' CPU quantization integrations (torchao, optimum-quanto, bitsandbytes,
-llm-compressor saved and loaded again) on tiny DIFF V1, V2, hybrid and Llama models saved as from_pretrained folders. Each method whose library is installed loads every
-model or fails for DIFF exactly where it fails for Llama; where it loads, it replaces the Linear layers, keeps the
-held-out loss finite and near the unquantized one, and greedy generate runs. An absent library is skipped by name."""
+llm-compressor saved and loaded again) on tiny DIFF V1, V2, hybrid and Llama models saved as from_pretrained folders.
+Each method whose library is installed loads every model or fails for DIFF exactly where it fails for Llama; where it
+loads, it replaces the Linear layers, keeps the held-out loss finite and near the unquantized one, and greedy generate
+runs. An absent library is skipped by name."""
 
 import importlib.util
 import math

@@ -77,6 +77,22 @@ def test_a_number_that_disagrees_is_caught(summaries, tmp_path):
                                      "docs/evaluation.md: paper-small-retrieval"]
 
 
+def test_the_study_long_run_is_quoted_from_its_rows():
+    """docs/evaluation.md's study block quotes the long run's end and lowest losses and its passes over the data,
+    recomputed here from the study's results.json."""
+    found = json.loads((ROOT / "benchmarks" / "paper_small" / "study" / "text" / "results.json").read_text())
+    long = {r["model"]: r for r in found["rows"] if r["task"] == "text-long"}
+    if not long:
+        pytest.skip("the study has no long run")
+    page = (ROOT / "docs" / "evaluation.md").read_text()
+    names = {"DIFF": "DIFF", "DiffLlama": "DiffLlama", "Transformer": "Llama"}
+    end = ", ".join(f"{names[m]} {long[m]['val_loss']:.3f}" for m in names)
+    lowest = ", ".join(f"{names[m]} {min(p['val_loss'] for p in long[m]['curve']):.3f}" for m in names)
+    steps = long["DIFF"]["steps"]
+    assert f"({steps:,} steps, {steps * found['batch'] / found['train_sequences']:.1f} passes" in page
+    assert f"validation loss at the end {end}; lowest along training {lowest}" in page
+
+
 def test_every_stored_run_is_reported_and_summarised_with_its_seed(summaries):
     """Each stored run (runs/*.pt) is a row of its report's results.json, and each row is a line of the per-run
     tables in docs/evaluation.md and a seed of its table of every figure."""
