@@ -178,8 +178,9 @@ def kernel_and_softmaxes(model: torch.nn.Module, args: argparse.Namespace) -> tu
     layer = model.model.layers[0].self_attn
     name = select_kernel(config._attn_implementation, *attention_inputs(layer, args))
     heads, noise = config.num_attention_heads, config.num_noise_heads
-    prefill, train = (heads + (noise if grouped else heads) for grouped in (name in GROUPED_KERNELS,
-                                                                            name in GROUPED_KERNELS and name != "tiled"))
+    grouped_prefill = name in GROUPED_KERNELS
+    grouped_train = grouped_prefill and name != "tiled"
+    prefill, train = (heads + (noise if grouped else heads) for grouped in (grouped_prefill, grouped_train))
     return name, str(prefill) if prefill == train else f"{prefill} / {train}"
 
 

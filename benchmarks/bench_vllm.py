@@ -186,7 +186,7 @@ def table(rates: dict[str, dict[int, list[float]]]) -> str:
         diff, llama = rates[f"vLLM {mode}, DIFF"], rates[f"vLLM {mode}, Llama"]
         cells = []
         for b in BATCHES:
-            each = [d / l for d, l in zip(diff[b], llama[b])]
+            each = [d / ll for d, ll in zip(diff[b], llama[b])]
             cells.append(f"{median[f'vLLM {mode}, DIFF'][b] / median[f'vLLM {mode}, Llama'][b]:.2f}x "
                          f"({min(each):.2f}-{max(each):.2f})")
         rows.append(f"| DIFF / Llama (vLLM {mode}) | " + " | ".join(cells) + " |")

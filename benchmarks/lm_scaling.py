@@ -229,7 +229,8 @@ def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: tor
             curve.append({"step": step, "tokens": step * cfg["batch"] * cfg["context"],
                           "train_loss": float(np.mean(window)), "val_loss": validation_loss(model, val)})
             window = []
-            print(f"  {name} ({init}) lr {lr:g} seed {seed}: {curve[-1]} ({time.monotonic() - start:.0f} s)", flush=True)
+            print(f"  {name} ({init}) lr {lr:g} seed {seed}: {curve[-1]} ({time.monotonic() - start:.0f} s)",
+                  flush=True)
     if save_to is not None:
         save_model(model, init, save_to)
     return {"curve": curve, "seconds": round(time.monotonic() - start, 1)}
@@ -743,9 +744,9 @@ def unreported_runs(out: Path, results: dict) -> list[dict]:
 def run_all(cfg: dict, out: Path, corpus_dir: Path, quick: bool, jobs: int, threads: int,
             with_controls: bool = True, train_controls: tuple[str, ...] = CONTROLS) -> dict:
     """Every initialisation for both families (each with its own learning-rate sweep, then every seed); the
-    initialisation with DIFF's lowest mean final loss is the chosen one; the `train_controls` run on it, each with its own
-    sweep, and the other controls are reported where every run of theirs is stored already (none is trained). Runs go
-    to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
+    initialisation with DIFF's lowest mean final loss is the chosen one; the `train_controls` run on it, each with its
+    own sweep, and the other controls are reported where every run of theirs is stored already (none is trained). Runs
+    go to `jobs` worker processes of `threads` threads each, in phases (sweeps, then the seeds)."""
     corpus, _, _ = load_blocks(cfg, corpus_dir, fetch=True)
     print(f"corpus: {corpus['bytes']:,} byte tokens", flush=True)
     model_cfg = {k: cfg[k] for k in ("hidden", "layers", "head_dim", "context", "batch", "points", "val_blocks",

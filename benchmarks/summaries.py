@@ -299,7 +299,8 @@ def lm_scaling(root: Path) -> str:
     lines = [f"One pass over {tokens:,} byte tokens of {results['corpus']['name']} {results['corpus']['version']}'s "
              f"source release, {results['parameters']['DIFF']:,} parameters, seeds {seeds} paired; every model and "
              "initialisation with its own learning-rate sweep. Initialisations (the same options for both families):",
-             "", "| initialisation | DIFF final loss (LR) | Llama final loss (LR) | DIFF - Llama |", "|---|---|---|---|"]
+             "", "| initialisation | DIFF final loss (LR) | Llama final loss (LR) | DIFF - Llama |",
+             "|---|---|---|---|"]
     for init in (i for i in module.INITS if i in study):
         finals = {m: module.seed_finals(study[init][m]["seeds"], cfg) for m in module.MODELS}
         lines.append(f"| {init}{' (the default)' if init == module.PACKAGE_DEFAULT else ''} | "

@@ -148,7 +148,8 @@ def diff_flash_kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs):
 
 
 # The differential kernels. Each takes (module, q, k, v, lam, attention_mask, scaling, **kwargs) in the packed
-# layout (kernel_common.py) and returns (out [B, T, h, dv] fp32, the differential map or None); `select_kernel` picks one.
+# layout (kernel_common.py) and returns (out [B, T, h, dv] fp32, the differential map or None); `select_kernel` picks
+# one.
 DIFF_KERNELS: dict[str, Callable] = {
     "eager": eager_diff_attention,  # the spec; the only one that returns the map
     "sdpa_decode_step": sdpa_decode_step,  # T = 1: both branches in one torch sdpa call

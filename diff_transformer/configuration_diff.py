@@ -141,8 +141,9 @@ class DiffConfig(PreTrainedConfig):
             input embedding module does, as Gemma's; the tied output head is not scaled). `None` (the default for
             a new config) is `sqrt(hidden_size)`: with Llama's N(0, 0.02) init, SubLN's unit-RMS head outputs
             would otherwise start several times larger than the embeddings they are added to (the
-            project's single-epoch language-modelling benchmark measured this start as DIFF's best). A config.json without the field (saved before it existed) loads with 1.0,
-            as it was trained; converted checkpoints keep their source's scaling (1.0 for Llama-family models).
+            project's single-epoch language-modelling benchmark measured this start as DIFF's best). A
+            config.json without the field (saved before it existed) loads with 1.0, as it was trained; converted
+            checkpoints keep their source's scaling (1.0 for Llama-family models).
 
     Invalid combinations raise `ValueError` at construction, naming the field and the fix.
     """

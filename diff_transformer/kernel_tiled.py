@@ -61,9 +61,9 @@ def branch_scores(
     q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, buffer: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Both masked score maps of a tile: pre-scaled q [2, B, h_kv, n_rep, t, d], K^T [2, B, h_kv, d, e] ->
-    [2, B, h_kv, n_rep, t, e] (or one branch's, with a leading 1), written to the start of `buffer` if given. `mask`: boolean or additive, or None
-    (causal: the last t keys are the rows' own). Masked scores get a finite fill, so fully masked rows give a
-    uniform map instead of NaN."""
+    [2, B, h_kv, n_rep, t, e] (or one branch's, with a leading 1), written to the start of `buffer` if given.
+    `mask`: boolean or additive, or None (causal: the last t keys are the rows' own). Masked scores get a finite
+    fill, so fully masked rows give a uniform map instead of NaN."""
     _, batch, h_kv, n_rep, rows, d = q.shape
     q_flat = q.reshape(-1, n_rep * rows, d)  # [2 * B * h_kv, n_rep * t, d], a view of a tile's slice
     kt_flat = kt.reshape(-1, d, kt.shape[-1])  # [2 * B * h_kv, d, e]

@@ -36,7 +36,8 @@ def readme_model(tmp_path_factory):
 
 
 def dynamic_shapes(model) -> dict:
-    return {"input_ids": {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=model.config.max_position_embeddings)}}
+    seq = Dim("seq", min=1, max=model.config.max_position_embeddings)
+    return {"input_ids": {0: Dim("batch", min=1, max=8), 1: seq}}
 
 
 def sample_ids(model, batch: int, length: int) -> torch.Tensor:

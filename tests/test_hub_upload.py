@@ -110,7 +110,8 @@ def test_model_index_from_the_folders_stored_evaluation(tmp_path):
     assert name == "diff-tiny" and len(results) == 1
     assert (results[0].metric_type, results[0].metric_value, results[0].dataset_split) == (
         "accuracy", 0.985, "held-out prompts")
-    assert "| diff-transformer key/value retrieval (built-in, synthetic) | held-out prompts | accuracy | 0.985 |" in text
+    assert ("| diff-transformer key/value retrieval (built-in, synthetic) | held-out prompts | accuracy | 0.985 |"
+            in text)
 
 
 def test_folder_loads_without_package(prepared, tmp_path):

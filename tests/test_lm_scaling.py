@@ -155,7 +155,8 @@ def test_initialisation_table_by_hand():
     # embed-sqrt: gaps -0.0434, -0.0834, -0.0434: mean -0.0568, interval [-0.1957, +0.0821]... by the same sd
     assert "| embed-sqrt | DIFF | 0.004 | 1.9912, 1.9612, 1.9812 | 1.9778 +- 0.0153 | -0.0568 +- 0.0231 " in report
     assert "[-0.0957, -0.0179]: DIFF lower |" in report
-    rows = [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| ") and " | DIFF | 0.004 |" in line]
+    rows = [line.split(" | ")[0] for line in report.splitlines()
+            if line.startswith("| ") and " | DIFF | 0.004 |" in line]
     assert rows == ["| llama", "| embed-sqrt", "| out-depth", "| embed-sqrt+out-depth"]
     # each family against itself at llama, e.g. DIFF at embed-sqrt: -0.1 on every seed
     assert "- embed-sqrt: DIFF -0.1000 +- 0.0000 [-0.1000, -0.1000]; Llama +0.0000 +- 0.0000" in report
@@ -277,7 +278,8 @@ def test_head_count_control_gaps_by_hand():
     assert "DIFF-plus computes A1 + lambda A2" in report and "DIFF-lambda-frozen fixes lambda" in report
     assert "| DIFF-lambda0 | 2 x 24 | 468,384 | 0.004 | 2.0000, 2.0000, 2.0000 | 2.0000 +- 0.0000 |" in report
     assert "- DIFF - DIFF-noSubLN (SubLN against none): +0.1778 +- 0.0153" in report
-    assert "| DIFF-noSubLN | 2 x 24 | 468,192 | 0.016 |" in report and "| DIFF-V2 | 4 x 24 | 486,816 | 0.002 |" in report
+    assert "| DIFF-noSubLN | 2 x 24 | 468,192 | 0.016 |" in report
+    assert "| DIFF-V2 | 4 x 24 | 486,816 | 0.002 |" in report
     # DIFF-V2 - DIFF: +0.00885, -0.06115, +0.01885: mean -0.01115, sd 0.0436, half width 0.0735: covers 0
     assert "- DIFF-V2 - DIFF (DIFF V2 against V1): -0.0112 +- 0.0436 [-0.0846, +0.0623]: interval covers 0" in report
     assert "## Controls, on `embed-sqrt`" in report

@@ -571,9 +571,9 @@ def test_classes_hold_what_their_llama_parent_builds(parent):
     if parent == "LlamaModel":  # embeddings scaled by config.embedding_multiplier; layers printed by kind
         renamed.update(Embedding="Gemma3TextScaledWordEmbedding", ModuleList="DecoderLayers")
     expected = {name: renamed.get(kind, kind) for name, kind in theirs.items()}
+    changed = {k: (ours[k], expected[k]) for k in set(ours) & set(expected) if ours[k] != expected[k]}
     assert ours == expected, (f"{diff_class.__name__} drifted from {parent}: missing {set(expected) - set(ours)}, "
-                              f"extra {set(ours) - set(expected)}, other classes "
-                              f"{ {k: (ours[k], expected[k]) for k in set(ours) & set(expected) if ours[k] != expected[k]} }")
+                              f"extra {set(ours) - set(expected)}, other classes {changed}")
 
 
 def test_print_folds_identical_layers_like_llama():

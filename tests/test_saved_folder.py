@@ -371,7 +371,8 @@ def test_bitsandbytes_quantizes_projections_not_the_lambda_gate(stack, bits, tmp
     with torch.no_grad():
         ours, theirs = model(ids).logits.float(), reference(ids).logits
     cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
-    assert cosine > {4: 0.95, 8: 0.995}[bits], f"{bits}-bit logits: cosine {cosine:.4f}, max diff {(ours - theirs).abs().max():.3g}"
+    assert cosine > {4: 0.95, 8: 0.995}[bits], \
+        f"{bits}-bit logits: cosine {cosine:.4f}, max diff {(ours - theirs).abs().max():.3g}"
     assert model.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 13)
 
 

@@ -39,7 +39,8 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 def test_wheel_holds_every_module_of_the_checkout(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "diff_transformer").rglob("*.py")} | {"diff_transformer_cli.py"}
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "diff_transformer").rglob("*.py")}
+    modules |= {"diff_transformer_cli.py"}
     assert modules <= names, sorted(modules - names)
     from diff_transformer import __version__
     assert re.match(rf"diff_transformer-{re.escape(__version__)}-py3-none-any\.whl$", wheel.name), wheel.name
