@@ -204,10 +204,12 @@ def validation_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
 
 
 def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor,
-              init: str = BASE_INIT, save_to: Path | None = None) -> dict:
+              init: str = BASE_INIT, save_to: Path | None = None, nudge: tuple[int, float] | None = None) -> dict:
     """One single-epoch run: AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), linear warm-up then linear decay to
     0, batches drawn without replacement in the order of `seed`. Returns the curve and the seconds it took; with
-    `save_to`, the final model is saved there too (`save_model`)."""
+    `save_to`, the final model is saved there too (`save_model`). `nudge` (step, size): after that step every weight
+    is multiplied by 1 + size * N(0, 1) (fixed draws), a change of the size of fp32 rounding
+    (benchmarks/rounding_sensitivity.py)."""
     from transformers import get_linear_schedule_with_warmup
 
     model = build_model(name, cfg, seed, init)
@@ -224,6 +226,8 @@ def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: tor
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
+        if nudge is not None and step == nudge[0]:
+            nudge_weights(model, nudge[1])
         window.append(loss.item())
         if step in marks:
             curve.append({"step": step, "tokens": step * cfg["batch"] * cfg["context"],
@@ -234,6 +238,14 @@ def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: tor
     if save_to is not None:
         save_model(model, init, save_to)
     return {"curve": curve, "seconds": round(time.monotonic() - start, 1)}
+
+
+def nudge_weights(model: torch.nn.Module, size: float) -> None:
+    """Every weight w becomes w * (1 + size * z), z ~ N(0, 1) from a generator of its own (seed 0)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + size * torch.randn(param.shape, generator=generator))
 
 
 def save_model(model: torch.nn.Module, init: str, folder: Path) -> None:
