@@ -2,10 +2,11 @@
 
 Each run the single-epoch benchmark reports (each family at its best initialisation and learning rate, results.json
 "runs"/"main") is trained twice from the same start by lm_scaling's own `train_run`: once as it is, once with every
-weight multiplied by 1 + 1e-7 * N(0, 1) after step --at (early in training, after the warm-up), a change of the size
-of fp32 rounding, which is what another CPU, thread count or library build makes of the same run. The report gives
-each pair's validation loss at the end and the largest change along training; `--swap-rates` also trains each family
-at the other's learning rate (a control that changes one thing: is it the family or the rate?).
+weight multiplied by 1 + 1e-7 * N(0, 1) after step --at (18: late in the 20-step warm-up, where a retrained run
+first left its stored curve), a change of the size of fp32 rounding, which is what another CPU, thread count or
+library build makes of the same run. The report gives each pair's validation loss at the end and the largest change
+along training; `--swap-rates` also trains each family at the other's learning rate (a control that changes one
+thing: is it the family or the rate?).
 
     python benchmarks/rounding_sensitivity.py --jobs 2                 # every reported seed, both rates
     python benchmarks/rounding_sensitivity.py --seeds 0 3 --jobs 2 --no-swap-rates
