@@ -4,7 +4,6 @@ Needle retrieval, attention noise and activation outliers (paper §3.4, Tables 3
 checks and their tables without matplotlib; the paper_small benchmark's runs, quantization and reports."""
 
 import argparse
-import importlib.util
 import json
 import random
 import shutil
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import printed_differences, saved_folders, tiny_config
+from helpers import load_benchmark, printed_differences, saved_folders, tiny_config
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -361,11 +360,7 @@ def test_attention_maps_need_eager(folders):
 
 
 def load_paper_small():
-    path = Path(__file__).parents[1] / "benchmarks" / "paper_small.py"
-    spec = importlib.util.spec_from_file_location("paper_small", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
-    return benchmark
+    return load_benchmark("paper_small")
 
 
 def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatch):

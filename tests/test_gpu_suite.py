@@ -1,6 +1,5 @@
 """The GPU suite's CPU-safe parts: its steps, their arguments, and what it says without a GPU."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,15 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import BENCHMARKS, load_benchmark
 
 
 def run_suite(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -27,16 +18,17 @@ def run_suite(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 def test_list_names_every_step_and_runs_nothing():
     done = run_suite("--list")
     assert done.returncode == 0, done.stderr
-    suite = load("gpu_suite")
+    suite = load_benchmark("gpu_suite")
     assert [line.split(" ")[0] for line in done.stdout.splitlines()] == list(suite.STEPS)
 
 
 def test_steps_exist_and_their_arguments_parse(monkeypatch):
     """Every test file exists, and each benchmark step's arguments parse with that benchmark's own parser."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # bench_tiles imports bench_attention and kernel_fit
-    suite = load("gpu_suite")
+    suite = load_benchmark("gpu_suite")
     assert all((BENCHMARKS.parent / path).exists() for path in suite.GPU_TESTS)
-    parsers = {f"{name}.py": load(name).parse_args for name in ("bench_attention", "bench_model", "bench_tiles")}
+    parsers = {f"{name}.py": load_benchmark(name).parse_args
+               for name in ("bench_attention", "bench_model", "bench_tiles")}
     assert sum(step.limit for step in suite.STEPS.values()) <= 9 * 60  # one device command may run 10 minutes
     for name, step in suite.STEPS.items():
         for command in (step.command, step.rehearsal):
@@ -65,7 +57,7 @@ def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
 def test_the_rehearsal_runs_every_step_through_diff_flash(tmp_path):
     """`--rehearse` (CI's floor pass: the torch, Triton and transformers of the GPU machines): every step's own
     script end to end on this CPU, diff_flash under Triton's interpreter, each table and target line written."""
-    suite = load("gpu_suite")
+    suite = load_benchmark("gpu_suite")
     done = run_suite("--rehearse", "--out", str(tmp_path), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = (tmp_path / "summary.md").read_text().splitlines()[4:]
@@ -91,7 +83,7 @@ def test_a_tile_in_place_is_the_tile_that_runs(monkeypatch):
     import diff_transformer.kernel_diff_flash as kernels
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    bench_tiles = load("bench_tiles")
+    bench_tiles = load_benchmark("bench_tiles")
     if not torch.cuda.is_available():
         monkeypatch.setattr(kernels, "INTERPRETER_TARGET", 90)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,7 +99,7 @@ def test_a_tile_in_place_is_the_tile_that_runs(monkeypatch):
 def test_target_lines_set_diff_flash_against_the_right_rows():
     """bench_attention's target lines: speed over the two-call path (its time / diff_flash's), time over standard
     attention's (diff_flash's / the reference's), forward+backward for the first two, forward for the decode step."""
-    bench = load("bench_attention")
+    bench = load_benchmark("bench_attention")
     two_calls = f"sdpa ({bench.TWO_CALLS}, DiffLlama's route)"
     prefill = {4096: {bench.REFERENCE: (1.0, 2.0), two_calls: (3.0, 6.0), bench.DIFF_FLASH: (1.5, 2.4)},
                1024: {bench.REFERENCE: (1.0, 2.0), two_calls: (3.0, 6.0)}}  # no diff_flash row: no line
@@ -121,7 +113,7 @@ def test_target_lines_set_diff_flash_against_the_right_rows():
 def test_a_step_past_its_limit_keeps_what_it_printed(tmp_path, monkeypatch):
     """A step stopped at its time limit: its row says so, and the rows it printed before are in its file and in the
     summary row (a benchmark prints each row as it is measured)."""
-    suite = load("gpu_suite")
+    suite = load_benchmark("gpu_suite")
     script = "import time; print('seq 4096 fwd+bwd: diff_flash at 1.62x', flush=True); time.sleep(30)"
     monkeypatch.setitem(suite.STEPS, "slow-step", suite.Step([sys.executable, "-c", script], 3, []))
     row = suite.run_step("slow-step", tmp_path, rehearse=False)

@@ -11,7 +11,6 @@ its output equal to eager's (tests/test_diff_flash_kernel.py: a dtype without a 
 """
 
 import difflib
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,17 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, build_stack
+from helpers import BENCHMARKS, assert_close, build_stack, load_benchmark
 from helpers.without_package import run_without_package
 
 import diff_transformer.kernel_diff_flash as kernels
 from diff_transformer.kernel_tiles import TILES
 from diff_transformer.attention_kernels import DIFF_FLASH, select_kernel
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_fit.py"
-spec = importlib.util.spec_from_file_location("kernel_fit", SCRIPT)
-kernel_fit = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernel_fit)
+SCRIPT = BENCHMARKS / "kernel_fit.py"
+kernel_fit = load_benchmark("kernel_fit")
 
 
 def compile_rows(tmp_path: Path, *options: str) -> tuple[list[dict], subprocess.CompletedProcess]:

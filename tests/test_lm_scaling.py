@@ -2,11 +2,9 @@
 the power-law fit, the token ratio at matched loss, the paired bootstrap, the loss gap, and a report that
 `--from-saved` rewrites byte for byte. No corpus, no training."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,13 +15,11 @@ from helpers import (
     randomize_gains,
     reference_branch_maps,
     reference_lambda,
+    load_benchmark,
     reference_projections,
 )
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_scaling.py"
-spec = importlib.util.spec_from_file_location("lm_scaling", SCRIPT)
-lm_scaling = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lm_scaling)
+lm_scaling = load_benchmark("lm_scaling")
 
 TOKENS = [int(t) for t in np.geomspace(25_000, 800_000, 10)]
 

@@ -4,17 +4,14 @@ Each method whose library is installed loads every model or fails for DIFF exact
 loads, it replaces the Linear layers, keeps the held-out loss finite and near the unquantized one, and greedy generate
 runs. An absent library is skipped by name."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_benchmark
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "quantization.py"
-spec = importlib.util.spec_from_file_location("quantization", SCRIPT)
-quantization = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(quantization)
+quantization = load_benchmark("quantization")
 
 # On tiny random models (loss ~5.6 nats, near uniform over 256 tokens) no method here moved the loss by 0.002; a
 # method that garbles a layer moves it by far more.

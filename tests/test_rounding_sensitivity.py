@@ -2,24 +2,12 @@
 only there (a run nudged by 0 is the plain run, bit for bit); the plan pairs every run with its nudged twin; the
 report's numbers by hand. No corpus: random blocks at toy size."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import load_benchmark
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lm_scaling = load("lm_scaling")
-sensitivity = load("rounding_sensitivity")
+lm_scaling = load_benchmark("lm_scaling")
+sensitivity = load_benchmark("rounding_sensitivity")
 TINY = dict(lm_scaling.QUICK, context=16, batch=2, points=6)
 
 

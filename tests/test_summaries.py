@@ -1,23 +1,20 @@
 """The numbers README.md and docs/evaluation.md quote come from the stored results (benchmarks/summaries.py): a
 quoted number that disagrees with them, or a stored run left out, fails here."""
 
-import importlib.util
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_NAME = re.compile(r"(?P<task>text-long|text|retrieval)-(?P<model>DIFF|DiffLlama|Transformer)-seed(?P<seed>\d+)-")
 
 
 def load_summaries():
-    spec = importlib.util.spec_from_file_location("summaries", ROOT / "benchmarks" / "summaries.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("summaries")
 
 
 @pytest.fixture(scope="module")

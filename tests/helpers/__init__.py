@@ -6,15 +6,17 @@ output projection written from docs/design.md, the attention itself the package'
 The package's modules hold what some test files share: kernel_cases (kernel shapes and inputs), motif_format
 (Motif-2 folders in the publisher's format), multiprocess (scripts on several processes), without_package (a fresh
 interpreter without `diff_transformer`), training (a tiny Trainer), folders (a tiny saved folder) and
-adapter_training (a few optimizer steps on one batch). `printed_differences` compares a recomputed table with a
-committed one to the printed digits. A test module imports from here, never from another test
-module (tests/test_layout.py checks it).
+adapter_training (a few optimizer steps on one batch). `load_benchmark` loads a script of benchmarks/ as a module;
+`printed_differences` compares a recomputed table with a committed one to the printed digits. A test module imports
+from here, never from another test module (tests/test_layout.py checks it).
 """
 
+import importlib.util
 import math
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -378,6 +380,17 @@ def saved_folders(root: os.PathLike, names: tuple[str, ...] = SAVED_FOLDERS) -> 
 
 
 FIGURE = re.compile(r"-?\d+\.\d+")  # a printed decimal figure; integers (counts, steps, seeds) are text
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a fresh module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def printed_differences(got: str, committed: str, slack: float = 1e-9) -> list[str]:
