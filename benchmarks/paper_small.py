@@ -1097,7 +1097,7 @@ def study_report(found: dict, args: argparse.Namespace, command: str) -> str:
                   "initialisation", "", "| model | initialisation | LR | validation loss at the end | best along "
                   "training | step of the best |", "|---|---|---|---|---|---|"]
         lines += [f"| {SHOWN[r['model']]} | {r['init']} | {r['lr']:g} | {r['val_loss']:.3f} | {r['best_val_loss']:.3f}"
-                  f" | {min(r['curve'], key=lambda p: p['val_loss'])['step']:,} |" for r in long]
+                  f" | {lowest_step(r):,} |" for r in long]
         lines += ["", long_run_reading(long, main, found["train_sequences"], found["batch"])]
     lines += ["", f"Run time, one process each on the CPU it ran on (no GPU figure): the {len(rows)} runs above "
               f"{sum(r['seconds'] for r in rows) / 3600:.2f} hours, the sweep runs {found['sweep_seconds'] / 3600:.2f} "
@@ -1105,11 +1105,16 @@ def study_report(found: dict, args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
+def lowest_step(row: dict) -> int:
+    """The step of a run's lowest validation loss along training."""
+    return min(row["curve"], key=lambda point: point["val_loss"])["step"]
+
+
 def long_run_reading(long: list[dict], full: list[dict], sequences: int, batch: int) -> str:
     """What the long run can say: how many passes over the training blocks it makes, where its validation loss was
     lowest, and that one seed has no interval (the full runs' spread over seeds beside it)."""
     passes = lambda steps: f"{steps * batch / sequences:.1f}"
-    lowest = sorted({min(r["curve"], key=lambda p: p["val_loss"])["step"] for r in long})
+    lowest = sorted({lowest_step(r) for r in long})
     rose = sum(r["val_loss"] > r["best_val_loss"] for r in long)
     sds = [lm_scaling.spread([r["val_loss"] for r in full if (r["model"], r["init"]) == key])["sd"]
            for key in {(r["model"], r["init"]) for r in full}]

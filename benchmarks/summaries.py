@@ -407,11 +407,10 @@ def study_long_run(found: dict, long: dict) -> str:
     passes = run["steps"] * found["batch"] / found["train_sequences"]
     names = [m for m in MODELS if m in long]
     figures = lambda get: ", ".join(f"{'Llama' if m == 'Transformer' else m} {get(long[m]):.3f}" for m in names)
-    lowest = lambda r: min(r["curve"], key=lambda p: p["val_loss"])["step"]
     return (f"The long run ({run['steps']:,} steps, {passes:.1f} passes over the training blocks, seed {run['seed']}, "
             f"each family at its best initialisation and rate; one seed, so no interval): validation loss at the end "
             f"{figures(lambda r: r['val_loss'])}; lowest along training {figures(lambda r: r['best_val_loss'])}, at "
-            f"step {' / '.join(f'{s:,}' for s in sorted({lowest(long[m]) for m in names}))}"
+            f"step {' / '.join(f'{s:,}' for s in sorted({best_step(long[m]) for m in names}))}"
             + (", and higher after it: the long run overfits the small file." if all(
                 long[m]["val_loss"] > long[m]["best_val_loss"] for m in names) else "."))
 
