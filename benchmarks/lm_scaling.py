@@ -204,10 +204,10 @@ def validation_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
 
 
 def train_run(name: str, cfg: dict, lr: float, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor,
-              init: str = BASE_INIT, save_to: Path | None = None, nudge: tuple[int, float] | None = None) -> dict:
+              init: str = BASE_INIT, save_to: Path | None = None, nudge: list | None = None) -> dict:
     """One single-epoch run: AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), linear warm-up then linear decay to
     0, batches drawn without replacement in the order of `seed`. Returns the curve and the seconds it took; with
-    `save_to`, the final model is saved there too (`save_model`). `nudge` (step, size): after that step every weight
+    `save_to`, the final model is saved there too (`save_model`). `nudge` [step, size]: after that step every weight
     is multiplied by 1 + size * N(0, 1) (fixed draws), a change of the size of fp32 rounding
     (benchmarks/rounding_sensitivity.py)."""
     from transformers import get_linear_schedule_with_warmup
@@ -716,7 +716,7 @@ def worker_run(job: tuple[Path, dict]) -> dict:
     cfg, train, val = WORKER["cfg"], WORKER["train"], WORKER["val"]
     return cached_run(out, settings, lambda: train_run(
         settings["model"], cfg, settings["lr"], settings["seed"], settings["steps"], train, val,
-        settings.get("init", BASE_INIT)))
+        settings.get("init", BASE_INIT), nudge=settings.get("nudge")))
 
 
 def stored_runs(node: object) -> list[dict]:

@@ -26,14 +26,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "lm_scaling" / "sensitivity"
-WORKER: dict = {}
 
 
-def lm_scaling_module():
-    spec = importlib.util.spec_from_file_location("lm_scaling", HERE / "lm_scaling.py")
+def sibling(name: str):
+    """The benchmark script `name`.py beside this one, as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+lm_scaling = sibling("lm_scaling")  # its training, run store and workers; a run's "nudge" setting reaches train_run
 
 
 def plan(results: dict, seeds: list[int], swap_rates: bool, at: int, size: float) -> list[dict]:
@@ -50,19 +53,13 @@ def plan(results: dict, seeds: list[int], swap_rates: bool, at: int, size: float
 
 
 def start_worker(cfg: dict, corpus_dir: Path) -> None:
-    lm_scaling = lm_scaling_module()
-    lm_scaling.torch.set_num_threads(1)
-    _, train, val = lm_scaling.load_blocks(cfg, corpus_dir, fetch=False)
-    WORKER.update(lm_scaling=lm_scaling, cfg=cfg, train=train, val=val)
+    """A pool process: lm_scaling's worker, one torch thread."""
+    lm_scaling.start_worker(cfg, corpus_dir, threads=1)
 
 
 def run_one(job: tuple[Path, dict]) -> dict:
-    out, settings = job
-    lm_scaling, cfg = WORKER["lm_scaling"], WORKER["cfg"]
-    nudge = tuple(settings["nudge"]) if settings["nudge"] else None
-    return lm_scaling.cached_run(out, settings, lambda: lm_scaling.train_run(
-        settings["model"], cfg, settings["lr"], settings["seed"], settings["steps"], WORKER["train"], WORKER["val"],
-        settings["init"], nudge=nudge))
+    """A run of lm_scaling's store (trained by its worker when missing)."""
+    return lm_scaling.worker_run(job)
 
 
 def pairs(runs: list[dict]) -> list[dict]:
@@ -118,7 +115,7 @@ def main(argv: list[str] | None = None) -> str:
                         help="where benchmarks/lm_scaling.py keeps its corpus")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    lm_scaling_module().corpus_archive(args.corpus_dir, fetch=True)  # fetched once, before the workers start
+    lm_scaling.corpus_archive(args.corpus_dir, fetch=True)  # fetched once, before the workers start
     settings = plan(results, args.seeds or results["config"]["seeds"], args.swap_rates, args.at, args.size)
     with ProcessPoolExecutor(args.jobs, initializer=start_worker,
                              initargs=(results["config"], args.corpus_dir)) as pool:
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> str:
     command = shlex.join(["python", "benchmarks/rounding_sensitivity.py", *given])
     rows = pairs(runs)
     text = report(rows, results["config"]["steps"], [args.at, args.size], command)
-    lm_scaling_module().write_json(args.output_dir / "results.json", {"command": command, "rows": rows})
+    lm_scaling.write_json(args.output_dir / "results.json", {"command": command, "rows": rows})
     (args.output_dir / "report.md").write_text(text)
     print(text)
     return text
