@@ -51,6 +51,7 @@ from itertools import product
 from pathlib import Path
 
 import diff_transformer.kernel_diff_flash as kernels
+from diff_transformer.tools.safe_write import write_text
 
 TARGETS = (80, 86, 89, 90)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -361,10 +362,10 @@ def write_record(rows: list[dict], path: Path = RECORD) -> None:
 
     def lines(merged: dict) -> str:
         return ",\n".join(json.dumps([row[name] for name in columns]) for _, row in sorted(merged.items()))
-    path.write_text(f'{{"triton": {json.dumps(version)}, "kernel_sha256": "{kernel_sha256()}", '
-                    f'"candidates": {json.dumps(candidates)},\n'
-                    f'"columns": {json.dumps(columns)}, "rows": [\n{lines(main)}\n],\n'
-                    f'"floor_rows": [\n{lines(floor_rows)}\n]}}\n')
+    write_text(path, f'{{"triton": {json.dumps(version)}, "kernel_sha256": "{kernel_sha256()}", '
+                     f'"candidates": {json.dumps(candidates)},\n'
+                     f'"columns": {json.dumps(columns)}, "rows": [\n{lines(main)}\n],\n'
+                     f'"floor_rows": [\n{lines(floor_rows)}\n]}}\n')
 
 
 def _candidate(row: dict) -> tuple[int, int, int, int]:
@@ -547,9 +548,9 @@ def write_tables(record: dict) -> None:
     if not table:
         raise SystemExit(f"kernel_fit: {RECORD} holds no compiled tile; run with --record first")
     candidates = candidates_text(rows, table)
-    TILES_MODULE.write_text(render_module(table, candidates))
-    DOCS.write_text(docs_with_table(DOCS.read_text(), render_docs(table, record["rows"], record["triton"],
-                                                                  candidates)))
+    write_text(TILES_MODULE, render_module(table, candidates))
+    write_text(DOCS, docs_with_table(DOCS.read_text(), render_docs(table, record["rows"], record["triton"],
+                                                                   candidates)))
     print(f"wrote {len(table)} tiles to {TILES_MODULE} and the table of {DOCS}")
 
 
@@ -613,8 +614,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.perf_counter() - start:.0f} s, {1 if args.challengers or args.same_tiles_as else args.jobs} "
           "processes)")
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(rows, file, indent=1)
+        write_text(Path(args.json), json.dumps(rows, indent=1))
     if args.record and not (args.challengers or args.same_tiles_as):  # those record each row as it comes
         write_record(rows)
     if args.write:

@@ -267,11 +267,10 @@ def save_model(model: torch.nn.Module, init: str, folder: Path) -> None:
 
 
 def write_json(path: Path, value: dict) -> None:
-    """Write through a temporary file and a rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Written whole or not at all (the package's one way of writing a file)."""
+    from diff_transformer.tools.safe_write import write_text
+
+    write_text(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
 
 
 def run_path(out: Path, settings: dict) -> Path:
@@ -687,7 +686,9 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("validation loss (nats / byte)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from diff_transformer.tools.safe_write import write_file
+
+    write_file(path, lambda staged: fig.savefig(staged, dpi=110))
     plt.close(fig)
 
 
@@ -705,7 +706,24 @@ def load_blocks(cfg: dict, corpus_dir: Path, fetch: bool) -> tuple[dict, torch.T
     return corpus, *blocks(data, cfg["context"], cfg["val_blocks"])
 
 
+def die_with_parent() -> None:
+    """End this worker process when the one that started it ends (Linux: PR_SET_PDEATHSIG), so that a study stopped
+    by a signal (which skips the pool's own shutdown) leaves no worker training on, racing a restarted study for the
+    same run files."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import multiprocessing
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the parent ended before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def start_worker(cfg: dict, corpus_dir: Path, threads: int) -> None:
+    die_with_parent()
     torch.set_num_threads(threads)
     _, train, val = load_blocks(cfg, corpus_dir, fetch=False)
     WORKER.update(cfg=cfg, train=train, val=val)
@@ -877,10 +895,10 @@ def main() -> None:
         results["command"] = shlex.join(["python", "benchmarks/lm_scaling.py", *sys.argv[1:]])
         write_json(out / "results.json", results)
         plot(results, out / "loss.png")
+    from diff_transformer.tools.safe_write import write_text
+
     report = render(results)
-    tmp = out / "report.md.tmp"
-    tmp.write_text(report)
-    os.replace(tmp, out / "report.md")
+    write_text(out / "report.md", report)
     print(report)
 
 

@@ -86,6 +86,7 @@ from diff_transformer.tools.evaluation import (
     pyplot,
 )
 from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.safe_write import remove_stale, staged_folder, write_file, write_text
 
 
 
@@ -244,9 +245,8 @@ def train(task: str, model, tokenizer, data: tuple, args: argparse.Namespace, se
 def save_state(partial: Path, parts: dict, order: torch.Generator, progress: dict) -> None:
     """Save a run's whole training state: `parts` (model, optimizer, schedule), the batch order and `progress`
     (step, curve, seconds), for `resume`."""
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({**progress, "order": order.get_state(), **{name: part.state_dict() for name, part in parts.items()}},
-               partial)
+    state = {**progress, "order": order.get_state(), **{name: part.state_dict() for name, part in parts.items()}}
+    write_file(partial, lambda staged: torch.save(state, staged))  # whole or not at all: a kill keeps the last one
 
 
 def resume(partial: Path, parts: dict, order: torch.Generator) -> tuple[list, int, float]:
@@ -482,10 +482,12 @@ def save_model(model, tokenizer, folder: Path) -> str:
     """save_pretrained in bf16 (safetensors, half of fp32: the folders are committed) with the tokenizer; returns the
     weights' sha256. Every reported number of the run is computed from this stored copy (`measure`), loaded back in
     fp32, so the report and `--from-saved` agree exactly. `model` is left in bf16."""
-    model.to(torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    for code in folder.glob("*.py"):  # DIFF's copy of the package's code: the installed package loads the folder
-        code.unlink()
+    model.to(torch.bfloat16)
+    with staged_folder(folder, replace=True) as staged:  # whole or absent, never a half-written model
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        for code in staged.glob("*.py"):  # DIFF's copy of the package's code: the installed package loads the folder
+            code.unlink()
     return weights_sha256(folder)
 
 
@@ -586,12 +588,17 @@ def units(args: argparse.Namespace) -> list[tuple]:
     return sorted(plan, key=lambda u: -u[3])
 
 
+def start_worker() -> None:
+    """A pool worker ends with the process that started it (`lm_scaling.die_with_parent`)."""
+    lm_scaling.die_with_parent()
+
+
 def run_all(plan: list[tuple], jobs: int) -> Iterator[dict]:
     """run_unit over (task, model, seed, steps, args) units, in `jobs` processes; rows in plan order."""
     if jobs == 1:
         yield from map(run_unit, plan)
         return
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+    with multiprocessing.get_context("spawn").Pool(jobs, start_worker) as pool:
         yield from pool.imap(run_unit, plan, chunksize=1)
 
 
@@ -635,10 +642,11 @@ def partial_path(unit: tuple) -> Path:
 def run_or_load(plan: list[tuple], jobs: int) -> list[dict]:
     """Rows of every unit in plan order: each finished run is stored as it ends, and a stored run with the same
     settings is loaded instead of run again, so seeds can be added to an experiment and a stopped one resumed."""
+    for folder in {stored_path(u).parent for u in plan}:
+        remove_stale(folder)  # what writers killed part-way left (their staging files and folders)
     todo = [u for u in plan if not stored_path(u).is_file() or not has_saved_model(stored_path(u))]
     for unit, row in zip(todo, run_all(todo, max(1, min(jobs, len(todo)))), strict=True):
-        stored_path(unit).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(row, stored_path(unit))
+        write_file(stored_path(unit), lambda staged, row=row: torch.save(row, staged))
         partial_path(unit).unlink(missing_ok=True)
     return [torch.load(stored_path(u), weights_only=True) for u in plan]
 
@@ -891,7 +899,7 @@ def plot_paper_tables(rows: list[dict], task: str, path: Path) -> None:
     axes[0].set(title=f"{task}: top-1 magnitude over the median", yscale="log")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_file(path, lambda staged: fig.savefig(staged, dpi=100))
     plt.close(fig)
 
 
@@ -911,7 +919,7 @@ def plot_curves(rows: list[dict], panels: list[tuple], path: Path) -> None:
         ax.set(title=title, xlabel="training step", ylabel=field.replace("_", " "))
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_file(path, lambda staged: fig.savefig(staged, dpi=110))
     plt.close(fig)
 
 
@@ -935,7 +943,7 @@ def plot_maps(rows: list[dict], path: Path) -> None:
             ax.set(title=f"{name}: {title}", xlabel="key (orange: answer needle)", ylabel=f"query ({figure['where']})")
             fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    write_file(path, lambda staged: fig.savefig(staged, dpi=90))
     plt.close(fig)
 
 
@@ -955,9 +963,9 @@ def write_outputs(rows: list[dict], args: argparse.Namespace) -> str:
               f"run time: the {len(rows)} runs took {sum(r['seconds'] for r in rows) / 60:.1f} min of one process "
               f"each to train and measure\n\n"
               f"{summarize(rows)}\n{paper_tables(rows)}")
-    (args.output_dir / "report.md").write_text(report)
+    write_text(args.output_dir / "report.md", report)
     plain = [{k: v for k, v in r.items() if k != "figure"} for r in rows]
-    (args.output_dir / "results.json").write_text(json.dumps({"settings": settings, "rows": plain}, indent=1))
+    write_text(args.output_dir / "results.json", json.dumps({"settings": settings, "rows": plain}, indent=1))
     tasks = {r["task"] for r in rows}
     if pyplot() is not None and "retrieval" in tasks:
         panels = [("retrieval", "accuracy", "Multi-needle retrieval accuracy"),
@@ -1130,9 +1138,8 @@ def run_study(args: argparse.Namespace, command: str) -> str:
     """`study` of one task, written to args.output_dir: report.md and results.json; `command` made it."""
     found = study(args)
     report = study_report(found, args, command)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "report.md").write_text(report)
-    (args.output_dir / "results.json").write_text(json.dumps({**found, "command": command}, indent=1))
+    write_text(args.output_dir / "report.md", report)
+    write_text(args.output_dir / "results.json", json.dumps({**found, "command": command}, indent=1))
     return report
 
 
@@ -1149,8 +1156,7 @@ def calibrate(args: argparse.Namespace) -> str:
         lines.append(f"| {settings['needles']} | {args.queries} | {args.steps} | {row['accuracy']:.3f} | "
                      f"{row['val_loss']:.3f} |")
     table = "\n".join(lines)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "calibration.md").write_text(f"settings: {vars(args)}\n\n{table}\n")
+    write_text(args.output_dir / "calibration.md", f"settings: {vars(args)}\n\n{table}\n")
     return table
 
 

@@ -24,6 +24,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from diff_transformer.tools.safe_write import write_text
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "lm_scaling" / "sensitivity"
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> str:
     rows = pairs(runs)
     text = report(rows, results["config"]["steps"], [args.at, args.size], command)
     lm_scaling.write_json(args.output_dir / "results.json", {"command": command, "rows": rows})
-    (args.output_dir / "report.md").write_text(text)
+    write_text(args.output_dir / "report.md", text)
     print(text)
     return text
 

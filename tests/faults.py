@@ -38,6 +38,7 @@ POLY_NORM = "diff_transformer/poly_norm.py"
 TRAINER = "diff_transformer/tools/training.py"
 SAFE_WRITE = "diff_transformer/tools/safe_write.py"
 VLLM_MODEL = "diff_transformer/serving/vllm_model.py"
+PAPER_SMALL = "benchmarks/paper_small.py"
 
 # Test files by what they exercise, most sensitive (and fastest) first.
 LAYER = ["tests/test_modeling.py::test_attention_matches_reference"]
@@ -58,7 +59,7 @@ VLLM_TP = "tests/vllm_serving/test_vllm_serving.py::test_parallel_engine_matches
 
 class Fault(NamedTuple):
     name: str
-    path: str  # the file of the package it edits
+    path: str  # the file it edits (of the package, or a benchmark script)
     old: str  # text that occurs exactly once in that file
     new: str
     tests: list[str]  # pytest arguments, run with -x in this order
@@ -174,6 +175,10 @@ FAULTS = [
           "        size = max(needed() if callable(needed) else needed, folder_bytes(private))\n"
           "        private = private.with_name(private.name + '-kept')\n",
           ["tests/test_safe_writes.py::test_a_full_disk_is_one_line_and_leaves_nothing"]),
+    Fault("paper_small stores a run in place", PAPER_SMALL,
+          "        write_file(stored_path(unit), lambda staged, row=row: torch.save(row, staged))\n",
+          "        torch.save(row, stored_path(unit))\n",
+          ["tests/test_evaluation.py::test_paper_small_run_killed_while_stored_resumes_to_the_same_result"]),
     Fault("per-layer lambda_init in the layer repr", LAMBDA,
           'return f"head_dim={self.q1.numel()}"',
           'return f"head_dim={self.q1.numel()}, lambda_init={self.lambda_init:.4f}"',
@@ -231,6 +236,9 @@ def copy_repository(target: Path) -> None:
     ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", "notebooks",
                                     "benchmarks")
     shutil.copytree(ROOT, target, ignore=ignore, symlinks=True)
+    (target / "benchmarks").mkdir()
+    for script in (ROOT / "benchmarks").glob("*.py"):  # the scripts, not their committed runs and figures
+        shutil.copy2(script, target / "benchmarks" / script.name)
 
 
 def run_fault(fault: Fault, copy: Path, timeout: float) -> tuple[str | None, float, str]:

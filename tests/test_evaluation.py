@@ -5,14 +5,19 @@ checks and their tables without matplotlib; the paper_small benchmark's runs, qu
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_benchmark, printed_differences, saved_folders, tiny_config
+from helpers import BENCHMARKS, load_benchmark, printed_differences, saved_folders, tiny_config
+from helpers.cli import cli_process_env
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -43,6 +48,7 @@ from diff_transformer.tools.evaluation import (
     threshold_sweep,
 )
 from diff_transformer.tokenization_diff import train_bpe_tokenizer
+from diff_transformer.tools.safe_write import TEST_KILL
 from diff_transformer_cli import main
 
 SHARE_ATOL = 1e-5  # fp32 sums of attention rows
@@ -396,6 +402,90 @@ def test_paper_small_stopped_run_resumes_to_the_same_result(tmp_path, monkeypatc
     assert len(calls) == 3, f"the resumed run evaluated {len(calls)} times; from its first evaluation: 2 + 1"
     assert resumed["curve"] == whole["curve"], f"{resumed['curve']} != {whole['curve']}"
     assert (resumed["answer"], resumed["noise"]) == (whole["answer"], whole["noise"])
+
+
+# One stored run of paper_small in a child process: benchmarks/paper_small.py, then its arguments
+ONE_RUN = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("paper_small", sys.argv[1])
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
+args = benchmark.parse_args(sys.argv[2:])
+benchmark.run_or_load([("retrieval", "DIFF", 0, args.steps, args)], 1)
+"""
+CHILD_TIMEOUT = 600  # seconds: a loaded 2-core machine takes a minute or more to import torch
+
+
+def test_paper_small_run_killed_while_stored_resumes_to_the_same_result(tmp_path, monkeypatch):
+    """A run killed (SIGKILL) while its finished row is written leaves no half-written row to block the next call:
+    that call clears the killed writer's staging file, resumes from the run's last training state without training
+    again, and stores the row of a run never stopped."""
+    benchmark = load_paper_small()
+    argv = ["--quick", "--steps", "4", "--curve-points", "2", "--examples", "24", "--eval-samples", "1"]
+    args = benchmark.parse_args([*argv, "--output-dir", str(tmp_path / "out")])
+    unit = ("retrieval", "DIFF", 0, args.steps, args)
+    stored = benchmark.stored_path(unit)
+    child = subprocess.run([sys.executable, "-c", ONE_RUN, str(BENCHMARKS / "paper_small.py"), *argv, "--output-dir",
+                            str(tmp_path / "out")], env=cli_process_env(**{TEST_KILL: f"written:{stored.name}"}),
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    assert child.returncode == -signal.SIGKILL, child.stdout[-2000:] + child.stderr[-3000:]
+    staging = [p.name for p in stored.parent.iterdir() if p.name.startswith(f".{stored.name}.incomplete-")]
+    assert not stored.exists() and len(staging) == 1, sorted(p.name for p in stored.parent.iterdir())
+    assert benchmark.partial_path(unit).is_file(), "the run's last training state is kept"
+
+    evaluate, calls = benchmark.evaluate, []
+    monkeypatch.setattr(benchmark, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    [row] = benchmark.run_or_load([unit], 1)
+    assert len(calls) == 1, f"{len(calls)} evaluations: the resumed run trained again (1: the stored model's)"
+    assert sorted(p.name for p in stored.parent.iterdir()) == sorted([stored.name, benchmark.model_path(unit).name])
+    whole = benchmark.run_unit(("retrieval", "DIFF", 0, args.steps, benchmark.parse_args(
+        [*argv, "--output-dir", str(tmp_path / "whole")])))
+    assert row["curve"] == whole["curve"], f"{row['curve']} != {whole['curve']}"
+    assert (row["answer"], row["noise"], row["model_sha256"]) == (whole["answer"], whole["noise"],
+                                                                  whole["model_sha256"])
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter (Z: ended, not yet reaped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers end with their parent on Linux only")
+def test_paper_small_workers_end_with_a_stopped_study(tmp_path):
+    """A benchmark stopped by SIGTERM (which skips the pool's own shutdown) takes its training workers with it: none
+    trains on, racing a restarted call for the same run files."""
+    argv = ["--quick", "--tasks", "retrieval", "--steps", "4000", "--curve-points", "2000", "--examples", "24",
+            "--eval-samples", "1", "--jobs", "2", "--output-dir", str(tmp_path)]
+    parent = subprocess.Popen([sys.executable, str(BENCHMARKS / "paper_small.py"), *argv], env=cli_process_env(),
+                              cwd=BENCHMARKS.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    workers = []
+    try:
+        training = set()  # (model, seed) of the workers' evaluation lines: both workers are training
+        for line in parent.stdout:
+            if line.startswith("  retrieval "):
+                training.add(line.split(":")[0])
+            if len(training) == 2:
+                break
+        assert len(training) == 2, f"the study ended before both workers trained: {training}"
+        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == 2, children
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(process_state(pid) not in (None, "Z") for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(process_state(pid) in (None, "Z") for pid in workers), "a worker trains on without its study"
+    finally:
+        for pid in [parent.pid, *workers]:
+            if process_state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_paper_small_benchmark_smoke(tmp_path, capsys):

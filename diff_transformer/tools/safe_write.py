@@ -38,8 +38,8 @@ NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # a full disk, a quota, a f
 # what torch's file writer raises when a write fails (it does not keep the OS error)
 TORCH_WRITE_FAILED = r"PytorchStreamWriter|inline_container|file write failed|basic_ios::clear: iostream error"
 # Test-only: "POINT:NAME" makes this process SIGKILL itself at POINT ("written", "replaced", "published", or a
-# writer's own, such as "partial") of writing the folder NAME, so that tests can kill a real save where they choose.
-# Inert unless set.
+# writer's own, such as "partial") of writing the folder or file NAME, so that tests can kill a real save where they
+# choose. Inert unless set.
 TEST_KILL = "DIFF_TRANSFORMER_TEST_KILL_AT"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "trainer_state.json")  # what resuming a checkpoint reads
 RUN_RECORD = "training_run.json"  # in each checkpoint of `diff-transformer train`: the run's options and data
@@ -236,6 +236,7 @@ def write_file(path: Path, write: Callable[[Path], object], replace: bool = True
             return False
         sync_path(staged)
         staged.chmod(0o666 & default_mode())
+        kill_point("written", path)
         if not replace and path.exists():
             raise FileExistsError(f"{path} exists; nothing replaced")
         os.replace(staged, path)
