@@ -1204,8 +1204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(then OUTPUT_DIR/<task>)")
     parser.add_argument("--inits", nargs="+", choices=lm_scaling.INITS, default=list(lm_scaling.INITS),
                         help="--study: the initialisations (default all)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=lm_scaling.FULL["lrs"],
-                        help="--study: the learning rates swept on retrieval (default lm_scaling.py's grid)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, *lm_scaling.FULL["lrs"]],
+                        help="--study: the learning rates swept on retrieval (default lm_scaling.py's grid and 5e-4 "
+                        "below it: DIFF's pick sat on the grid's lower edge)")
     parser.add_argument("--text-lrs", type=float, nargs="+", default=lm_scaling.FULL["lrs"],
                         help="--study: the learning rates swept on text (default lm_scaling.py's grid)")
     parser.add_argument("--sweep-fraction", type=float, default=0.25, help="--study: a sweep run's share of the budget")
