@@ -453,6 +453,19 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc/*/stat: the field after the state)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers end with their parent on Linux only")
 def test_paper_small_workers_end_with_a_stopped_study(tmp_path):
@@ -472,9 +485,8 @@ def test_paper_small_workers_end_with_a_stopped_study(tmp_path):
             if len(training) == 2:
                 break
         assert len(training) == 2, f"the study ended before both workers trained: {training}"
-        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
-        workers = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(workers) == 2, children
+        workers = [pid for pid in children(parent.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2, children(parent.pid)
         parent.send_signal(signal.SIGTERM)
         parent.wait(timeout=60)
         deadline = time.monotonic() + 60
