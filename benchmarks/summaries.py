@@ -512,9 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             print("out of date (run python benchmarks/summaries.py): " + "; ".join(found), file=sys.stderr)
             return 1
         return 0
-    from diff_transformer_cli import load_torch_free  # the package's writer, without importing torch
+    from diff_transformer.tools.safe_write import write_text  # rendering imports torch already (lm_scaling)
 
-    write_text = load_torch_free("diff_transformer.tools.safe_write").write_text
     for document in DOCUMENTS:
         path = args.root / document
         write_text(path, render(args.root, path.read_text()))
