@@ -44,8 +44,9 @@ class Step:
 
 # In the order of their worth; the limits add up to 9 minutes, what one device command may take with its start-up.
 STEPS: dict[str, Step] = {
-    # 8 test processes (pytest-xdist; the GPU machines' image has it): most of these tests run on the CPU's cores
-    "tests": Step([PY, "-m", "pytest", "-q", "-n", "8", "-m", "", "-p", "no:cacheprovider", *GPU_TESTS], 180,
+    # 8 test processes (pytest-xdist; the GPU machines' image has it): most of these tests run on the CPU's cores;
+    # -v prints each result as it lands, so a step stopped at its limit still says what passed
+    "tests": Step([PY, "-m", "pytest", "-v", "-n", "8", "-m", "", "-p", "no:cacheprovider", *GPU_TESTS], 180,
                   [PY, "-m", "pytest", "-q", "-n", "2", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS]),
     "attention-d64": Step([PY, "benchmarks/bench_attention.py", "--dtype", "bf16", "--head-dim", "64", "--seqs", *SEQS,
                            "--decode", "--profile", *SKIP], 80,

@@ -26,6 +26,9 @@ candidates it holds (`candidates_text`). `--challengers` compiles the tiles one 
     nice -n 15 python benchmarks/kernel_fit.py --same-tiles-as fp16 --dtypes bf16 --record --write
                                             # fp16's candidates in bf16 (under each Triton release fp16's were)
     python benchmarks/kernel_fit.py --write                        # regenerate the tile table from the record
+    cp benchmarks/kernel_fit.json /tmp/old.json                    # after an edit of the kernels: every candidate
+    python benchmarks/kernel_fit.py --again /tmp/old.json --record # again, under the newest Triton, then under
+                                                                   # the floor's (FLOOR_TRITON), then --write
 
 Exit status 1 when a row fails (a candidate of --sweep or --challengers may fail: the rule filters it out).
 TRITON_INTERPRET must be unset: interpreted kernels cannot be compiled.
@@ -214,17 +217,29 @@ def recorded_tile_variants(source: str, targets, head_dims, dtypes, value_dims) 
     return [variant for variant in dict.fromkeys(todo) if _variant_key(variant) not in held]
 
 
+def again_variants(path: Path) -> list[Variant]:
+    """`--again`: every candidate the record at `path` holds for the installed Triton (its `rows`, or its
+    `floor_rows` under FLOOR_TRITON), to compile again after an edit of the kernels' source. Read from a copy made
+    before: the first rows recorded from another source replace the record, floor rows included."""
+    import triton
+
+    record = read_record(path)
+    floor = triton.__version__ == FLOOR_TRITON != record["triton"]
+    return [Variant(row["kernel"], row["target"], row["head_dim"], row["value_dim"], row["dtype"], row["mode"],
+                    _candidate(row)) for row in record["floor_rows" if floor else "rows"]]
+
+
 def _variant_key(variant: Variant) -> tuple:
     block_m, block_n, warps, stages = variant.tile
     return row_key(dict(asdict(variant), tile=f"{block_m}x{block_n}", warps=warps, stages=stages))
 
 
-def run_recording(todo: list[Variant], record: bool, chunk: int = 24) -> list[dict]:
-    """Compile `todo` one at a time, merging each `chunk` of rows into the record as it comes when `record` (an
-    interrupted run keeps what it compiled; `--same-tiles-as` then resumes where it stopped)."""
+def run_recording(todo: list[Variant], record: bool, chunk: int = 24, jobs: int = 1) -> list[dict]:
+    """Compile `todo` in `jobs` processes, merging each `chunk` of rows into the record as it comes when `record`
+    (an interrupted run keeps what it compiled; `--same-tiles-as` then resumes where it stopped)."""
     rows = []
     for start in range(0, len(todo), chunk):
-        rows += run(todo[start:start + chunk], 1)
+        rows += run(todo[start:start + chunk], jobs)
         if record:
             write_record(rows[start:])
         print(f"{len(rows)} of {len(todo)} compiled", file=sys.stderr, flush=True)
@@ -582,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-tiles-as", choices=DTYPES, metavar="DTYPE",
                         help="compile, in each of --dtypes, every candidate tile the record holds for DTYPE and not "
                              "yet for them (one process; with --record, merged as it goes)")
+    parser.add_argument("--again", type=Path, metavar="RECORD",
+                        help="compile again every candidate this copy of the record holds for the installed Triton "
+                             "(after an edit of the kernels: copy the record first; run under each release)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--record", action="store_true", help=f"merge the rows into {RECORD.relative_to(ROOT)}")
@@ -589,14 +607,18 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"pick the tiles from the record by the rule, write {TILES_MODULE.relative_to(ROOT)} "
                              f"and the table of {DOCS.relative_to(ROOT)}; alone it compiles nothing")
     args = parser.parse_args(argv)
-    if sum(map(bool, (args.sweep, args.challengers, args.tile, args.same_tiles_as))) > 1:
-        parser.error("--sweep, --challengers, --tile and --same-tiles-as each choose the tiles to compile: give one")
-    if args.write and not (args.record or args.sweep or args.challengers or args.same_tiles_as):
+    if sum(map(bool, (args.sweep, args.challengers, args.tile, args.same_tiles_as, args.again))) > 1:
+        parser.error("--sweep, --challengers, --tile, --same-tiles-as and --again each choose the tiles to compile: "
+                     "give one")
+    recording = args.same_tiles_as or args.again  # record each chunk as it comes
+    if args.write and not (args.record or args.sweep or args.challengers or recording):
         write_tables(read_record())
         return 0
     start = time.perf_counter()
     value_dims = [{"d": 1, "2d": 2}[v] for v in args.value_dims]
-    if args.same_tiles_as:
+    if args.again:
+        rows = run_recording(again_variants(args.again), args.record, jobs=args.jobs)
+    elif args.same_tiles_as:
         rows = run_recording(recorded_tile_variants(args.same_tiles_as, args.targets, args.head_dims, args.dtypes,
                                                     value_dims), args.record)
     elif args.challengers:
@@ -615,11 +637,11 @@ def main(argv: list[str] | None = None) -> int:
           "processes)")
     if args.json:
         write_text(Path(args.json), json.dumps(rows, indent=1))
-    if args.record and not (args.challengers or args.same_tiles_as):  # those record each row as it comes
+    if args.record and not (args.challengers or recording):  # those record each row or chunk as it comes
         write_record(rows)
     if args.write:
         write_tables(read_record())
-    return 1 if failed and not (args.sweep or args.challengers or args.same_tiles_as) else 0
+    return 1 if failed and not (args.sweep or args.challengers or recording) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -167,14 +167,20 @@ def select_kernel(implementation: str, q: torch.Tensor, k: torch.Tensor, v: torc
     """The differential kernel that runs for `attn_implementation` on these inputs. Traced code (torch.compile,
     torch.export, ONNX) always makes the standard calls: a choice by length would become a shape guard. Head dims
     or a GPU that `diff_flash` has no tile for (in the inputs' dtype), or whose launch failed for lack of shared
-    memory, make the standard calls too, with a warning."""
+    memory, make the standard calls too, with a warning; its decode steps (T = 1, untraced) take sdpa's kernel."""
     if implementation == PAGED_EAGER:  # transformers' eager on continuous batching's paged cache
         implementation = "eager"
+    if implementation == DIFF_FLASH and q.shape[2] == 1 and not is_torchdynamo_compiling():
+        implementation = "sdpa"  # a decode step: one query row leaves the fused kernel's tiles idle (RESULTS.md)
     if implementation == DIFF_FLASH:
         reason = unfit_reason(q.shape[-1], v.shape[-1], q.dtype, q.device)
         if reason:
             warn_unfit(reason)
             return "standard_calls"
+        if q.dtype == torch.float32 and q.device.type == "cuda" and not is_torchdynamo_compiling():
+            warnings.warn(f"{DIFF_FLASH} multiplies fp32 inputs as TF32 on a GPU (a 10-bit mantissa, as torch does "
+                          "with allow_tf32=True): for exact fp32 use attn_implementation='sdpa', or run in bf16",
+                          stacklevel=3)
     if implementation in ("eager", DIFF_FLASH):
         return implementation
     if implementation != "sdpa" or is_torchdynamo_compiling():

@@ -94,11 +94,13 @@ if triton is not None:
 
     @triton.jit
     def _dot(a, b, acc=None):
-        """a @ b, accumulated into acc when given."""
+        """a @ b, accumulated into acc when given. fp32 tiles multiply as TF32 on the tensor cores (a 10-bit
+        mantissa, like torch with allow_tf32): in exact fp32 ("ieee") the shipped tiles spill; fp16 and bf16 ignore
+        the option. The interpreter multiplies in exact fp32."""
         if _DOT_IN_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc, input_precision="tf32")
 
     @triton.jit
     def _load_rows(ptr, offs_rows, offs_cols, n_rows, stride_row, stride_col):
@@ -219,6 +221,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
+        qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
         bh, b, head, kv_head, start_m, offs_m, q1, q2 = _query_tile(
             Q1, Q2, stride_qb, stride_qh, stride_qt, stride_qd, H, T, N_REP, HEAD_DIM, BLOCK_M)
         k_off = b * stride_kb + kv_head * stride_kh
@@ -260,6 +263,7 @@ if triton is not None:
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
         """dq1, dq2 for one query tile: stream the key tiles exactly as the forward does."""
+        qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # fp64 under torch.compile
         bh, b, head, kv_head, start_m, offs_m, q1, q2 = _query_tile(
             Q1, Q2, stride_qb, stride_qh, stride_qt, stride_qd, H, T, N_REP, HEAD_DIM, BLOCK_M)
         do_ptr = DO + b * stride_dob + head * stride_doh
@@ -299,6 +303,7 @@ if triton is not None:
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     ):
         """dk1, dk2, dv for one key tile of one kv head: loop over the GQA group's query heads and query tiles."""
+        qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # fp64 under torch.compile
         start_n = tl.program_id(0) * BLOCK_N
         bh_kv = tl.program_id(1)
         b, kv_head = bh_kv // H_KV, bh_kv % H_KV
@@ -344,8 +349,9 @@ if triton is not None:
 # ahead of time: sm_80 (A100, A800; also sm_87), sm_86 and sm_89 (A10, A40, L4, L40, RTX 30xx/40xx), sm_90 (H100,
 # H200). A GPU runs the tiles of the first target whose family it belongs to (`device_target`).
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-# fp32 inputs are multiplied in full fp32 (no TF32), like eager; the option changes nothing for fp16/bf16 inputs.
-LAUNCH_OPTIONS = dict(default_dot_input_precision="ieee")
+# Compile options of every launch beyond its tile's warps and stages (none: tl.dot takes its precision from its own
+# argument, which `_dot` names).
+LAUNCH_OPTIONS = {}
 # Under TRITON_INTERPRET=1: the compute capability whose tiles the interpreter runs (e.g. 90), to test the shapes a
 # GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
 INTERPRETER_TARGET: int | None = None

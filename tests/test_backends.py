@@ -171,17 +171,23 @@ def test_static_cache_prefill_and_decode_match_eager(backend, padded):
 
 @needs_triton
 def test_fused_kernel_receives_expected_masks(monkeypatch):
-    """How the sdpa mask reaches diff_flash: None (no padding: prefill T == S, decode T == 1), bool [B, 1, T, S]
-    (left padding; static-cache decode). With a static cache the skipped prefill mask comes with S > T."""
+    """How the sdpa mask reaches diff_flash's prefill and its decode steps (sdpa's decode kernel, `select_kernel`;
+    the fused kernel where the step is compiled, as static-cache generation on a GPU does): None without padding
+    (prefill T == S, decode T == 1), bool [B, 1, T, S] with left padding and in static-cache decoding, whose
+    prefill mask is skipped and comes with S > T."""
     seen = []
-    fused = attention_kernels.DIFF_KERNELS[DIFF_FLASH]
 
-    def spy(module, q, k, v, lam, attention_mask, scaling, **kwargs):
-        mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
-        seen.append((q.shape[2], k.shape[2], mask))
-        return fused(module, q, k, v, lam, attention_mask, scaling, **kwargs)
+    def spy(name):
+        kernel = attention_kernels.DIFF_KERNELS[name]
 
-    monkeypatch.setitem(attention_kernels.DIFF_KERNELS, DIFF_FLASH, spy)
+        def spied(module, q, k, v, lam, attention_mask, scaling, **kwargs):
+            mask = None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))
+            seen.append((q.shape[2], k.shape[2], mask))
+            return kernel(module, q, k, v, lam, attention_mask, scaling, **kwargs)
+        return spied
+
+    for name in (DIFF_FLASH, "sdpa_decode_step"):
+        monkeypatch.setitem(attention_kernels.DIFF_KERNELS, name, spy(name))
     model = build(DIFF_FLASH)
     tokens, mask = batch_and_mask(padded=True, length=6)
     model.generate(tokens, max_new_tokens=2, do_sample=False)

@@ -6,22 +6,28 @@ from helpers import tiny_config
 from transformers import StaticCache
 
 from diff_transformer import DiffForCausalLM
+from diff_transformer.attention_kernels import DIFF_FLASH
 
 BACKENDS = ["eager", "sdpa"]
+# diff_flash only on a GPU (the Triton interpreter does not run under torch.compile), and with graph breaks around
+# its launcher (docs/kernels.md), so not under fullgraph=True
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+WITH_BREAKS = [*BACKENDS, pytest.param(DIFF_FLASH, marks=ON_GPU)]
 VERSIONS = {"V1": dict(diff_version=1), "V2": dict(diff_version=2)}
 
 
 def build(backend: str, **overrides) -> DiffForCausalLM:
     fields = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
     fields.update(overrides)
-    return DiffForCausalLM._from_config(tiny_config(**fields), attn_implementation=backend).eval()
+    model = DiffForCausalLM._from_config(tiny_config(**fields), attn_implementation=backend).eval()
+    return model.cuda() if backend == DIFF_FLASH else model
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_BREAKS)
 def test_static_cache_generation_equals_dynamic(backend, version):
     model = build(backend, **VERSIONS[version])
-    prompt = torch.randint(3, 97, (2, 7))
+    prompt = torch.randint(3, 97, (2, 7)).to(model.device)
     dynamic = model.generate(prompt, max_new_tokens=10, do_sample=False)
     static = model.generate(prompt, max_new_tokens=10, do_sample=False, cache_implementation="static")
     assert torch.equal(static, dynamic)
@@ -49,13 +55,15 @@ def test_forward_has_no_graph_breaks(backend, version, step):
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("backend", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("eager", marks=pytest.mark.slow),
+                                     pytest.param(DIFF_FLASH, marks=ON_GPU)])
 def test_compiled_static_cache_generation_equals_dynamic(backend):
-    """torch.compile(fullgraph=True) of the forward + static cache: the same greedy tokens as dynamic-cache eager."""
+    """torch.compile(fullgraph=True; diff_flash: with its graph breaks) of the forward + static cache: the same
+    greedy tokens as dynamic-cache eager."""
     torch._dynamo.reset()
     model = build(backend, num_hidden_layers=1)
-    prompt = torch.randint(3, 97, (1, 5))
+    prompt = torch.randint(3, 97, (1, 5)).to(model.device)
     dynamic = model.generate(prompt, max_new_tokens=6, do_sample=False)
-    model.forward = torch.compile(model.forward, fullgraph=True)
+    model.forward = torch.compile(model.forward, fullgraph=backend != DIFF_FLASH)
     compiled = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
     assert torch.equal(compiled, dynamic)

@@ -167,7 +167,8 @@ def test_a_launch_without_the_resources_falls_back(kernel, monkeypatch, launch_f
             logits = model(tokens).logits
             logits.square().mean().backward()
     assert failing.launches == 1
-    assert len({str(w.message) for w in caught}) <= 2  # the backward's own, then the layers' routing
+    routed = {str(w.message) for w in caught if "cannot run" in str(w.message)}  # (and on a GPU, fp32's TF32 note)
+    assert len(routed) <= 2  # the backward's own, then the layers' routing
     expected = reference(tokens).logits
     for _ in range(2):
         reference(tokens).logits.square().mean().backward()

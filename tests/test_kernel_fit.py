@@ -81,6 +81,36 @@ def test_the_largest_shipped_tiles_compile_as_recorded(tmp_path, check):
         kernel_fit.table([old for _, old in differ if old])
 
 
+FP64_SCALES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import kernel_fit
+typed = kernel_fit.signature
+def with_fp64_scales(fn, variant):
+    sig, constexprs, attrs = typed(fn, variant)
+    return {name: "fp64" if name in ("qk_scale", "scaling") else kind for name, kind in sig.items()}, constexprs, attrs
+kernel_fit.signature = with_fp64_scales
+for kernel in kernel_fit.KERNELS:
+    for dtype in ("bf16", "fp32"):
+        row = kernel_fit.compile_variant(kernel_fit.Variant(kernel, 90, 64, 128, dtype, "causal"))
+        print(kernel, dtype, row["error"] or "ok")
+"""
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="needs triton")
+def test_the_kernels_compile_with_the_scales_torch_compile_passes(tmp_path):
+    """torch.compile (inductor) launches the kernels with the Python-float scales typed fp64, where the launcher's
+    are fp32: each kernel casts them to fp32 first, else the forward's fp64 running max makes its accumulator fp64
+    and tl.dot refuses it (found on an H200: static-cache generation under diff_flash failed to compile)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a private cache: ptxas runs and reports (`kernel_fit.run`)
+    done = subprocess.run([sys.executable, "-c", FP64_SCALES, str(BENCHMARKS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == [f"{kernel} {dtype} ok" for kernel in kernel_fit.KERNELS
+                                           for dtype in ("bf16", "fp32")], done.stdout
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="needs triton")
 def test_a_tile_that_does_not_fit_fails_the_check():
     """The check itself: the sm_80 tile the kernel once shipped needs more shared memory than sm_86 has."""
