@@ -86,7 +86,8 @@ The rule that chose each tile, among the candidate tiles compiled for every targ
 A candidate compiled under the floor's Triton too ({FLOOR_TRITON}, the release torch's floor pins) qualifies only
 where it qualifies there as well.
 
-Fit-checked ahead of time (shared memory, registers, spills, matmul instruction), not timed on a GPU."""
+Fit-checked ahead of time (shared memory, registers, spills, matmul instruction) and picked without timing; sm_90's
+bf16 tiles at d = 64 and 128, dv = 2d, were timed on an H200 afterwards (benchmarks/RESULTS.md)."""
 _FP32_POINTERS = {"Lam", "Lse1", "Lse2", "Delta1", "Delta2"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_dod"}
 
