@@ -26,7 +26,7 @@ PY = sys.executable
 # The tests that run on CUDA when it is there (tests/conftest.py sets TRITON_INTERPRET only without it); -m "" also
 # runs those marked slow and gpu.
 GPU_TESTS = ["tests/test_diff_flash_kernel.py", "tests/test_backends.py", "tests/test_attention_functions.py",
-             "tests/test_kernel_selection.py", "tests/test_compile.py", "tests/test_modeling.py"]
+             "tests/test_kernel_selection.py", "tests/test_compile.py", "tests/test_gda.py", "tests/test_modeling.py"]
 SEQS = ["1024", "4096", "16384"]
 MODELS = ["--models", "diff-sdpa", "diff-diff_flash", "diffllama-sdpa", "llama-sdpa"]
 TINY_ATTENTION = ["--heads", "1", "--kv-heads", "1", "--seqs", "32", "--repeats", "1"]

@@ -27,7 +27,7 @@ CASES += [Case(2, 16, 16, 4, 2, 16, N=2, attn="padmask"), Case(2, 16, 16, 4, 1, 
           Case(2, 1, 16, 4, 2, 16, N=2), Case(2, 1, 16, 8, 2, 16, N=2)]  # decode steps
 # kernel -> (backend it runs under, tolerance kind); `tiled` and `sdpa_decode_step` are picked by shape in a model
 KERNELS = {"eager": ("eager", "tiled"), "standard_calls": ("sdpa", "sdpa"), "tiled": ("sdpa", "tiled"),
-           "sdpa_decode_step": ("sdpa", "sdpa"), DIFF_FLASH: (DIFF_FLASH, DIFF_FLASH)}  # Triton: interpreted on CPU
+           "sdpa_decode_step": ("sdpa", "sdpa"), DIFF_FLASH: (DIFF_FLASH, DIFF_FLASH)}
 
 
 def per_head_formula(q, k, v, lam, scaling, case: Case, mask):
@@ -65,14 +65,16 @@ def test_reference_is_the_per_head_formula(case: Case):
 
 
 def check_kernel(name: str, backend: str, kind: str, case: Case) -> None:
-    layer, mask, scaling = layer_for(case, backend), padding_mask(case), case.D**-0.5
-    grad_out = seeded_randn(case.B, case.T, case.H, case.dv, seed=99)
-    grad_out[empty_rows(case)] = 0  # a model never sends gradient into rows that see no key
+    device = "cuda" if name == DIFF_FLASH and torch.cuda.is_available() else "cpu"  # Triton: interpreted on CPU
+    layer, mask, scaling = layer_for(case, backend).to(device), padding_mask(case, device), case.D**-0.5
+    empty = empty_rows(case).to(device)
+    grad_out = seeded_randn(case.B, case.T, case.H, case.dv, seed=99).to(device)
+    grad_out[empty] = 0  # a model never sends gradient into rows that see no key
     group = case.H // case.noise
     check_against_reference(lambda *t: run_kernel(name, layer, *t, mask, scaling)[0].float(),
                             lambda *t: naive_diff_attention(*t, scaling, mask=mask, group=group),
-                            leaves(case, torch.float32), grad_out, NAMES, torch.float32, kind,
-                            f"{name} {case.id}", rows=~empty_rows(case))
+                            leaves(case, torch.float32, device=device), grad_out, NAMES, torch.float32, kind,
+                            f"{name} {case.id}", rows=~empty)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
