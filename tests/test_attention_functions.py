@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.kernel_cases import (Case, check_against_reference, empty_rows, key_valid, leaves, padding_mask,
                                   seeded_randn)
-from helpers import tiny_config
+from helpers import tf32_kind, tiny_config
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
 from diff_transformer import attention_kernels, modeling_diff
@@ -77,6 +77,6 @@ def test_attention_function_matches_reference(implementation: str, case: Case):
     with torch.compiler.set_stance("force_eager"):
         got = check_against_reference(lambda *t: attend(implementation, case, *t),
                                       lambda *t: naive_diff_attention(*t, scaling, mask=mask), inputs, grad_out,
-                                      names, torch.float32, TOLERANCE_KIND[implementation],
+                                      names, torch.float32, tf32_kind(TOLERANCE_KIND[implementation], implementation),
                                       f"{implementation} {case.id}", rows=~empty)
     assert got["out"].dtype == torch.float32

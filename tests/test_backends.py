@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 from helpers import (DTYPE_HEADS_PADDING, HEADS, PADDED, assert_close, attention_mask, grad_kind, left_padded,
-                     tiny_config)
+                     tf32_kind, tiny_config)
 from transformers import AutoModelForCausalLM, StaticCache
 
 from diff_transformer import DiffForCausalLM
@@ -77,10 +77,10 @@ def test_loss_and_all_gradients_match_eager(backend, dtype, heads, padded):
         results[name] = loss_and_grads(build(name, dtype, **HEADS[heads]).train(), tokens, mask)
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results[backend], results["eager"]
     rows = mask.bool()
-    assert_close(logits[rows], ref_logits[rows], dtype, f"{backend} logits", "backend")
-    assert_close(loss, ref_loss, dtype, f"{backend} loss", "backend")
+    assert_close(logits[rows], ref_logits[rows], dtype, f"{backend} logits", tf32_kind("backend", backend))
+    assert_close(loss, ref_loss, dtype, f"{backend} loss", tf32_kind("backend", backend))
     for name, grad in ref_grads.items():
-        assert_close(grads[name], grad, dtype, f"{backend} d{name}", grad_kind(name, "backend"))
+        assert_close(grads[name], grad, dtype, f"{backend} d{name}", tf32_kind(grad_kind(name, "backend"), backend))
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the tiled route is sdpa's on CPU")
@@ -127,7 +127,7 @@ def test_cached_decode_matches_eager(backend, heads):
                                        return_dict_in_generate=True)
     assert torch.equal(outputs[backend].sequences, outputs["eager"].sequences), f"{backend} greedy tokens differ"
     for step, (got, ref) in enumerate(zip(outputs[backend].logits, outputs["eager"].logits)):
-        assert_close(got, ref, torch.float32, f"{backend} step {step} logits", "backend")
+        assert_close(got, ref, torch.float32, f"{backend} step {step} logits", tf32_kind("backend", backend))
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -166,7 +166,7 @@ def test_static_cache_prefill_and_decode_match_eager(backend, padded):
         step_logits[name] = logits
         mask = mask[:, : tokens.shape[1]]
     for step, (got, ref) in enumerate(zip(step_logits[backend], step_logits["eager"])):
-        assert_close(got, ref, torch.float32, f"{backend} static cache step {step}", "backend")
+        assert_close(got, ref, torch.float32, f"{backend} static cache step {step}", tf32_kind("backend", backend))
 
 
 @needs_triton
@@ -229,7 +229,8 @@ def test_fused_from_pretrained_and_set_attn_implementation(tmp_path):
     assert model.config._attn_implementation == DIFF_FLASH
     with torch.no_grad():
         for m in (loaded.eval(), model):
-            assert_close(m(tokens).logits, ref, torch.float32, "diff_flash logits after load / set", "backend")
+            assert_close(m(tokens).logits, ref, torch.float32, "diff_flash logits after load / set",
+                         tf32_kind("backend", DIFF_FLASH))
 
 
 def test_fused_unavailable_raises_clear_error(monkeypatch):

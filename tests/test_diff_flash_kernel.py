@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytest.importorskip("triton")
 
-from helpers import assert_close, build_stack  # noqa: E402
+from helpers import assert_close, build_stack, tf32_kind  # noqa: E402
 from helpers.kernel_cases import (Case, check_against_reference, empty_rows, leaves, padding_mask,  # noqa: E402
                                   seeded_randn)
 
@@ -50,7 +50,7 @@ def check_kernel(case: Case, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     grad_out = seeded_randn(case.B, case.T, case.H, case.dv, seed=99).to(DEVICE)
     return check_against_reference(lambda *t: diff_flash_attention(*t, **options),
                                    lambda *t: naive_diff_attention(*t, **options), leaves(case, dtype, device=DEVICE),
-                                   grad_out, NAMES, dtype, "diff_flash", case.id)
+                                   grad_out, NAMES, dtype, tf32_kind("diff_flash", DIFF_FLASH), case.id)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dt: str(dt).removeprefix("torch."))
@@ -172,10 +172,11 @@ def test_a_launch_without_the_resources_falls_back(kernel, monkeypatch, launch_f
     expected = reference(tokens).logits
     for _ in range(2):
         reference(tokens).logits.square().mean().backward()
-    assert_close(logits, expected, torch.float32, f"{kernel} logits", "backend")
+    kind = tf32_kind("backend", DIFF_FLASH)
+    assert_close(logits, expected, torch.float32, f"{kernel} logits", kind)
     for name in ("q_proj", "k_proj", "v_proj"):
         grad, expected_grad = (getattr(m.model.layers[0].self_attn, name).weight.grad for m in (model, reference))
-        assert_close(grad, expected_grad, torch.float32, f"{kernel} {name} grad", "backend")
+        assert_close(grad, expected_grad, torch.float32, f"{kernel} {name} grad", kind)
     (where, dtype, d, dv), = launch_failures  # the inputs whose launch failed: routed to the standard calls since
     q, k, v = (torch.zeros(1, heads, 4, width, dtype=dtype, device=where)
                for heads, width in ((2, d), (1, 2 * d), (1, dv)))

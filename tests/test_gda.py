@@ -9,7 +9,7 @@ one line."""
 
 import pytest
 import torch
-from helpers import assert_close, tiny_config
+from helpers import assert_close, tf32_kind, tiny_config
 from helpers.kernel_cases import Case, check_against_reference, empty_rows, leaves, padding_mask, seeded_randn
 
 from diff_transformer import DiffConfig, DiffForCausalLM
@@ -73,8 +73,8 @@ def check_kernel(name: str, backend: str, kind: str, case: Case) -> None:
     group = case.H // case.noise
     check_against_reference(lambda *t: run_kernel(name, layer, *t, mask, scaling)[0].float(),
                             lambda *t: naive_diff_attention(*t, scaling, mask=mask, group=group),
-                            leaves(case, torch.float32, device=device), grad_out, NAMES, torch.float32, kind,
-                            f"{name} {case.id}", rows=~empty)
+                            leaves(case, torch.float32, device=device), grad_out, NAMES, torch.float32,
+                            tf32_kind(kind, name), f"{name} {case.id}", rows=~empty)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
