@@ -152,7 +152,7 @@ def compile_variant(variant: Variant) -> dict:
     sig, constexprs, attrs = signature(fn, variant)
     constexprs.update(HEAD_DIM=variant.head_dim, V_DIM=variant.value_dim, BLOCK_M=block_m, BLOCK_N=block_n,
                       CAUSAL=variant.mode != "padmask", HAS_MASK=variant.mode == "padmask")
-    options = dict(num_warps=warps, num_stages=stages, **kernels.LAUNCH_OPTIONS)
+    options = dict(num_warps=warps, num_stages=stages)
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v: registers and spills; printed only when ptxas runs (no cache hit)
     try:
@@ -204,30 +204,32 @@ def recorded_tile_variants(source: str, targets, head_dims, dtypes, value_dims) 
     each of `dtypes`, that the record does not hold yet. Read from the rows of the installed Triton's list: `rows`,
     or `floor_rows` under FLOOR_TRITON, so that a dtype's candidates are compiled under each release its source's
     were."""
-    import triton
-
-    record = read_record()
-    floor = triton.__version__ == FLOOR_TRITON != record["triton"]
-    rows = record["floor_rows" if floor else "rows"]
+    rows = installed_rows(read_record())
     held = {row_key(row) for row in rows}
-    todo = [Variant(row["kernel"], row["target"], row["head_dim"], row["value_dim"], dtype, row["mode"],
-                    _candidate(row))
-            for row in rows for dtype in dtypes
+    todo = [row_variant(row, dtype) for row in rows for dtype in dtypes
             if row["dtype"] == source and row["target"] in targets and row["head_dim"] in head_dims
             and row["value_dim"] // row["head_dim"] in value_dims]
     return [variant for variant in dict.fromkeys(todo) if _variant_key(variant) not in held]
 
 
 def again_variants(path: Path) -> list[Variant]:
-    """`--again`: every candidate the record at `path` holds for the installed Triton (its `rows`, or its
-    `floor_rows` under FLOOR_TRITON), to compile again after an edit of the kernels' source. Read from a copy made
-    before: the first rows recorded from another source replace the record, floor rows included."""
+    """`--again`: every candidate the record at `path` holds for the installed Triton, to compile again after an
+    edit of the kernels' source. Read from a copy made before: the first rows recorded from another source replace
+    the record, floor rows included."""
+    return [row_variant(row) for row in installed_rows(read_record(path))]
+
+
+def installed_rows(record: dict) -> list[dict]:
+    """The record's rows of the installed Triton's list: `rows`, or `floor_rows` under FLOOR_TRITON."""
     import triton
 
-    record = read_record(path)
-    floor = triton.__version__ == FLOOR_TRITON != record["triton"]
-    return [Variant(row["kernel"], row["target"], row["head_dim"], row["value_dim"], row["dtype"], row["mode"],
-                    _candidate(row)) for row in record["floor_rows" if floor else "rows"]]
+    return record["floor_rows" if triton.__version__ == FLOOR_TRITON != record["triton"] else "rows"]
+
+
+def row_variant(row: dict, dtype: str | None = None) -> Variant:
+    """The variant a recorded row compiled (in `dtype` instead of its own, when given)."""
+    return Variant(row["kernel"], row["target"], row["head_dim"], row["value_dim"], dtype or row["dtype"],
+                   row["mode"], _candidate(row))
 
 
 def _variant_key(variant: Variant) -> tuple:
@@ -317,14 +319,12 @@ def row_key(row: dict) -> tuple:
 
 def kernel_sha256(path: Path | None = None) -> str:
     """What the compiles depend on in kernel_diff_flash.py (or `path`), as the record names it: the source of every
-    @triton.jit function and of LAUNCH_OPTIONS, in file order. A record of another source is stale; the rest of
-    the file (the tile lookup, the launcher) compiles nothing and may change without a new record."""
+    @triton.jit function, in file order. A record of another source is stale; the rest of the file (the tile
+    lookup, the launcher) compiles nothing and may change without a new record."""
     source = (path or Path(kernels.__file__)).read_text()
 
     def compiled(node: ast.stmt) -> bool:
-        if isinstance(node, ast.FunctionDef):
-            return any(ast.unparse(decorator) == "triton.jit" for decorator in node.decorator_list)
-        return isinstance(node, ast.Assign) and any(ast.unparse(t) == "LAUNCH_OPTIONS" for t in node.targets)
+        return isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
     parts = [ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source)) if compiled(node)]
     return hashlib.sha256("\n\n".join(parts).encode()).hexdigest()
 

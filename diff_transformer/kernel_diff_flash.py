@@ -349,9 +349,6 @@ if triton is not None:
 # ahead of time: sm_80 (A100, A800; also sm_87), sm_86 and sm_89 (A10, A40, L4, L40, RTX 30xx/40xx), sm_90 (H100,
 # H200). A GPU runs the tiles of the first target whose family it belongs to (`device_target`).
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-# Compile options of every launch beyond its tile's warps and stages (none: tl.dot takes its precision from its own
-# argument, which `_dot` names).
-LAUNCH_OPTIONS = {}
 # Under TRITON_INTERPRET=1: the compute capability whose tiles the interpreter runs (e.g. 90), to test the shapes a
 # GPU uses; None runs 16 x 16 tiles, the fastest on a CPU.
 INTERPRETER_TARGET: int | None = None
@@ -517,7 +514,7 @@ class DiffFlashAttentionFunction(torch.autograd.Function):
                 *q1.stride(), *k1.stride(), *v.stride(), *mask_strides,
                 h, T, S, h // h_kv, scaling * math.log2(math.e),
                 HEAD_DIM=d, V_DIM=dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_MASK=has_mask,
-                num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS)
+                num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, lam32, mask, out, o2, lse1, lse2)
         ctx.scaling, ctx.causal, ctx.lam_dtype, ctx.lam_shape = scaling, causal, lam.dtype, lam.shape
         return out
@@ -550,7 +547,7 @@ def _kernel_grads(q, k, v, lam32, mask, out, o2, lse1, lse2, grad_out, scaling, 
     delta1 = (do.float() * out.float()).sum(-1) + lam32 * delta2
     grad_lam = -delta2.sum()
     mask_t, mask_strides, has_mask = _mask_args(mask, (B, h, T, S), q1)
-    common = dict(HEAD_DIM=d, V_DIM=dv, CAUSAL=causal, HAS_MASK=has_mask, **LAUNCH_OPTIONS)
+    common = dict(HEAD_DIM=d, V_DIM=dv, CAUSAL=causal, HAS_MASK=has_mask)
     strides = (*q1.stride(), *k1.stride(), *v.stride(), *do.stride(), *mask_strides)
     qk_scale = scaling * math.log2(math.e)
 
