@@ -87,7 +87,7 @@ A candidate compiled under the floor's Triton too ({FLOOR_TRITON}, the release t
 where it qualifies there as well.
 
 Fit-checked ahead of time (shared memory, registers, spills, matmul instruction) and picked without timing; sm_90's
-bf16 tiles at d = 64 and 128, dv = 2d, were timed on an H200 afterwards (benchmarks/RESULTS.md)."""
+bf16 tiles at d = 64 and 128, dv = 2d, were timed on an H200 afterwards (the project's benchmark results)."""
 _FP32_POINTERS = {"Lam", "Lse1", "Lse2", "Delta1", "Delta2"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_dod"}
 

@@ -19,7 +19,7 @@ A candidate compiled under the floor's Triton too (3.6.0, the release torch's fl
 where it qualifies there as well.
 
 Fit-checked ahead of time (shared memory, registers, spills, matmul instruction) and picked without timing; sm_90's
-bf16 tiles at d = 64 and 128, dv = 2d, were timed on an H200 afterwards (benchmarks/RESULTS.md).
+bf16 tiles at d = 64 and 128, dv = 2d, were timed on an H200 afterwards (the project's benchmark results).
 
 The candidates recorded: each lookup's tiles in every masking mode on every target of its family, and for 60 of the
 216 lookups also the challengers of the pick, the tiles one step ahead in step 2's order (twice BLOCK_M, twice
